@@ -1,0 +1,188 @@
+"""Megatron distributed checkpoints (torch_dist format) that are never half-written.
+
+A checkpoint directory holds the dist_checkpointing files, the tokenizer, and
+`specdec_checkpoint.json` (the HF config, layer implementation, draft-module config). It is
+written under a temporary name beside its target and renamed into place only when every rank
+has finished, so a directory with that name is complete by construction; one without the
+metadata file (an interrupted save) is refused.
+"""
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+META_FILE = "specdec_checkpoint.json"
+TOKENIZER_DIR = "tokenizer"
+FORMAT_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(obj):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_output_dir(path, overwrite: bool, what: str = "output directory"):
+    """Refuse to replace a non-empty directory unless asked to."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not overwrite:
+        raise FileExistsError(f"{what} {path} exists and is not empty; pass --overwrite to replace it")
+
+
+def atomic_dir(path):
+    """A fresh temporary directory beside `path` (same filesystem, so rename is atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp, path):
+    """Rename `tmp` onto `path`; an existing `path` is moved aside first and removed after."""
+    tmp, path = Path(tmp), Path(path)
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_tokenizer(src_dir, dst_dir):
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    files = [f for f in _TOKENIZER_FILES if (src_dir / f).is_file()]
+    if not files:
+        return
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(src_dir / f, dst_dir / f)
+
+
+def save_checkpoint(model, path, meta: dict, tokenizer_dir=None, overwrite: bool = False,
+                    sharded_state_dict=None):
+    """Collectively save `model` (this rank's TP/PP shard) as a complete checkpoint at `path`.
+
+    `meta` must hold at least `hf_config` (a dict); the layout it was saved at is added.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    path = Path(path)
+    check_output_dir(path, overwrite, "checkpoint directory")
+    tmp = Path(_broadcast(str(atomic_dir(path)) if _rank0() else None))
+    try:
+        if sharded_state_dict is None:
+            sharded_state_dict = model.sharded_state_dict()
+        dist_checkpointing.save(sharded_state_dict, str(tmp))
+        _barrier()
+        if _rank0():
+            record = dict(meta)
+            record.update(
+                format_version=FORMAT_VERSION,
+                saved_tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+                saved_pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+            )
+            if tokenizer_dir is not None:
+                copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)
+            # Written last: its presence marks the dist checkpoint files as complete.
+            with open(tmp / META_FILE, "w") as f:
+                json.dump(record, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            commit_dir(tmp, path)
+    finally:
+        _barrier()
+        if _rank0() and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_meta(path) -> dict:
+    """The metadata of a complete checkpoint; a clear error for anything else."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete megatron_specdec checkpoint: {META_FILE} is missing "
+            f"(an interrupted save, or not a checkpoint)"
+        )
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: dist_checkpointing metadata.json is missing")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is corrupt: {e}") from None
+    if meta.get("format_version") != FORMAT_VERSION or "hf_config" not in meta:
+        raise CheckpointError(
+            f"{meta_file}: expected format_version {FORMAT_VERSION} with an hf_config, "
+            f"found format_version={meta.get('format_version')!r}"
+        )
+    return meta
+
+
+def hf_config_from_meta(meta: dict):
+    from transformers import AutoConfig
+
+    cfg = dict(meta["hf_config"])
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def load_checkpoint(model, path, sharded_state_dict=None):
+    """Load a complete checkpoint into `model` at the current TP/PP layout (resharding)."""
+    from megatron.core import dist_checkpointing
+
+    read_meta(path)
+    if sharded_state_dict is None:
+        sharded_state_dict = model.sharded_state_dict()
+    state = dist_checkpointing.load(sharded_state_dict, str(path))
+    model.load_state_dict(state)
+    return model
+
+
+def load_plain_tensors(path) -> dict:
+    """Every tensor of a complete checkpoint as a global tensor, in one process, no model built."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_specdec import distributed
+
+    read_meta(path)
+    if not dist.is_initialized():
+        distributed.initialize(1, 1)  # the torch_dist reader needs a (single-process) group
+    return dist_checkpointing.load_plain_tensors(str(path))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}; expected float32, bfloat16 or float16") from None

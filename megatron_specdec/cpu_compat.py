@@ -1,0 +1,112 @@
+"""Workarounds that let megatron-core run on a CPU-only machine (gloo backend).
+
+megatron-core assumes CUDA in a handful of places. Each patch below is applied only when
+CUDA is absent, is idempotent, and carries a one-line reason. Nothing else in the project
+special-cases the CPU: on a GPU machine `apply()` does nothing.
+"""
+
+import contextlib
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu_device():
+    return torch.device("cpu")
+
+
+def _rng_state_patches():
+    """CudaRNGStatesTracker keeps CUDA generator states: keep CPU generator states instead."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def _get_rng_state(*args, **kwargs):
+        return torch.get_rng_state()
+
+    def _set_rng_state(new_state, *args, **kwargs):
+        torch.set_rng_state(new_state)
+
+    tp_random._get_cuda_rng_state = _get_rng_state
+    tp_random._set_cuda_rng_state = _set_rng_state
+
+    def add(self, name, seed):
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name=tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    tp_random.CudaRNGStatesTracker.add = add
+    tp_random.CudaRNGStatesTracker.fork = fork
+
+
+def _causal_mask_patch():
+    """get_default_causal_mask builds its mask with device="cuda": build it on the CPU."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    def get_default_causal_mask(sq):
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def _device_literal_patch():
+    """Pipeline schedules and p2p buffers allocate with device="cuda" literals."""
+    from megatron.core.pipeline_parallel import schedules
+
+    real_tensor = torch.tensor
+
+    class _TorchShim:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def tensor(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return real_tensor(*args, **kwargs)
+
+    schedules.torch = _TorchShim()
+
+
+def apply():
+    """Apply every CPU workaround once, only when CUDA is not available."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+    # ~100 call sites pass torch.cuda.current_device() as a device (RoPE, TP mappings, p2p).
+    torch.cuda.current_device = _cpu_device
+    # dist_checkpointing and the schedules synchronise the CUDA stream unconditionally.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    _rng_state_patches()
+    _causal_mask_patch()
+    _device_literal_patch()
+    _APPLIED = True
+
+
+# TransformerConfig fields whose fused kernels exist only on CUDA (apex/TE/triton).
+CPU_UNFUSED_CONFIG = dict(
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    batch_p2p_sync=False,
+)

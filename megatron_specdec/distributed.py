@@ -1,0 +1,99 @@
+"""Process-group set-up: the same code runs NCCL on GPUs and gloo on CPUs.
+
+Use `initialize(tp, pp)` inside a torchrun process (or a process started by `spawn`), and
+`spawn(fn, world_size, *args)` to run a function on N local processes from plain Python
+(tests, command-line tools that were not launched with torchrun).
+"""
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_specdec import cpu_compat
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def initialize(tp: int = 1, pp: int = 1, seed: int = 1234):
+    """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's
+    tensor/pipeline groups. Data parallel size is world_size / (tp * pp)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend(), rank=rank, world_size=world, timeout=timedelta(minutes=30)
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel ({tp}) x pipeline_parallel ({pp})"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy():
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank, world_size, port, fn, args):
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        fn(*args)
+    finally:
+        destroy()
+
+
+def spawn(fn, world_size: int, *args):
+    """Run `fn(*args)` on `world_size` local processes with torch.distributed env set.
+
+    `fn` must be importable (a module-level function) and call `initialize` itself.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

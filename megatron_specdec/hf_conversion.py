@@ -1,0 +1,180 @@
+"""Hugging Face <-> Megatron conversion of base models, through the declarative weight table.
+
+Import: every rank of a TP x PP group reads the HF safetensors, keeps its own slices and the
+group saves one dist checkpoint. Export: one process reads the dist checkpoint's global
+tensors (any saved layout) and writes config.json + safetensors that `transformers` loads.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_specdec import checkpoint, distributed, families
+from megatron_specdec.default_model import resolve_model_path
+from megatron_specdec.model_provider import build_model, resolve_transformer_impl
+from megatron_specdec.weights import llama, mapping
+
+log = logging.getLogger(__name__)
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(hf_dir):
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir}/config.json not found: not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(hf_dir)
+    families.family_of(config)  # refuse unsupported architectures before reading weights
+    return config
+
+
+def read_hf_state(hf_dir, dtype=None) -> dict:
+    """All tensors of an HF checkpoint (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    if (hf_dir / HF_INDEX).is_file():
+        files = sorted(set(json.loads((hf_dir / HF_INDEX).read_text())["weight_map"].values()))
+    elif (hf_dir / HF_WEIGHTS).is_file():
+        files = [HF_WEIGHTS]
+    else:
+        raise FileNotFoundError(f"no {HF_WEIGHTS} or {HF_INDEX} in {hf_dir}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(hf_dir / f)))
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
+
+
+def weight_rules(hf_config):
+    return llama.rules(bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+
+
+def load_hf_into_model(model, hf_config, hf_state):
+    """Fill this rank's model shard from an HF state dict."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    layers_per_stage = hf_config.num_hidden_layers // ps.get_pipeline_model_parallel_world_size()
+    rules = weight_rules(hf_config)
+    global_state = mapping.hf_to_megatron(
+        rules, hf_state, mapping.Geometry.from_hf(hf_config, model.padding),
+        hf_config.num_hidden_layers,
+    )
+    mapping.load_into_model(
+        model, rules, global_state, hf_config.num_hidden_layers, pp_rank * layers_per_stage,
+        ps.get_tensor_model_parallel_rank(), tp,
+    )
+
+
+def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
+    """This rank's shard of a Megatron GPTModel holding the weights of an HF directory."""
+    hf_dir = resolve_model_path(hf_dir)
+    config = read_hf_config(hf_dir)
+    model = build_model(config, dtype=dtype, transformer_impl=transformer_impl)
+    load_hf_into_model(model, config, read_hf_state(hf_dir, dtype))
+    return model, config
+
+
+def base_meta(hf_config, model, dtype, transformer_impl) -> dict:
+    return {
+        "hf_config": hf_config.to_dict(),
+        "transformer_impl": transformer_impl,
+        "dtype": checkpoint.dtype_name(dtype),
+        "padding": model.padding,
+    }
+
+
+def _import_worker(hf_dir, out_dir, tp, pp, dtype_name, overwrite, transformer_impl):
+    distributed.initialize(tp, pp)
+    dtype = checkpoint.dtype_from_name(dtype_name)
+    model, config = model_from_hf(hf_dir, dtype, transformer_impl)
+    checkpoint.save_checkpoint(
+        model, out_dir, base_meta(config, model, dtype, resolve_transformer_impl(transformer_impl)),
+        tokenizer_dir=hf_dir, overwrite=overwrite,
+    )
+
+
+def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, dtype="float32", overwrite=False,
+                   transformer_impl="auto"):
+    """Import an HF model directory (or 'default') into a dist checkpoint at TP x PP.
+
+    Runs in the current torchrun group when there is one of size tp*pp, else spawns it.
+    """
+    import torch.distributed as dist
+
+    hf_dir = resolve_model_path(hf_dir)
+    config = read_hf_config(hf_dir)
+    families.transformer_config(config, tp=tp, pp=pp)  # layout errors before any process starts
+    checkpoint.check_output_dir(out_dir, overwrite, "checkpoint directory")
+    args = (str(hf_dir), str(out_dir), tp, pp, dtype, overwrite, transformer_impl)
+    if dist.is_initialized() or tp * pp == 1:
+        _import_worker(*args)
+    else:
+        distributed.spawn(_import_worker, tp * pp, *args)
+    return Path(out_dir)
+
+
+def _unstack_layers(plain: dict) -> dict:
+    """dist_checkpointing stores decoder layers stacked on a leading axis: name them per layer."""
+    out = {}
+    for name, tensor in plain.items():
+        if name.startswith("decoder.layers.") and not name.endswith("_extra_state"):
+            rest = name[len("decoder.layers."):]
+            for i, t in enumerate(tensor.unbind(0)):
+                out[f"decoder.layers.{i}.{rest}"] = t
+        elif torch.is_tensor(tensor):
+            out[name] = tensor
+    return out
+
+
+def megatron_global_state(ckpt_dir):
+    """(meta, hf_config, global per-layer Megatron tensors) of a checkpoint, any saved layout."""
+    meta = checkpoint.read_meta(ckpt_dir)
+    config = checkpoint.hf_config_from_meta(meta)
+    return meta, config, _unstack_layers(checkpoint.load_plain_tensors(ckpt_dir))
+
+
+def hf_config_for_export(config, dtype_name):
+    config = type(config).from_dict(config.to_dict())
+    if not getattr(config, "architectures", None):
+        config.architectures = [
+            arch for arch, fam in families.FAMILIES.items() if fam == families.family_of(config)
+        ][:1]
+    config.dtype = dtype_name
+    return config
+
+
+def megatron_to_hf(ckpt_dir, out_dir, overwrite=False):
+    """Export the base model of a dist checkpoint to an HF directory (config + safetensors)."""
+    from safetensors.torch import save_file
+
+    checkpoint.check_output_dir(out_dir, overwrite)
+    meta, config, global_state = megatron_global_state(ckpt_dir)
+    rules = weight_rules(config)
+    hf_state = mapping.megatron_to_hf(
+        rules, global_state, mapping.Geometry.from_hf(config, meta["padding"]),
+        config.num_hidden_layers,
+    )
+    tmp = checkpoint.atomic_dir(out_dir)
+    try:
+        hf_config_for_export(config, meta["dtype"]).save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp / HF_WEIGHTS),
+                  metadata={"format": "pt"})
+        checkpoint.copy_tokenizer(Path(ckpt_dir) / checkpoint.TOKENIZER_DIR, tmp)
+        checkpoint.commit_dir(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)

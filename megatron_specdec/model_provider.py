@@ -1,0 +1,117 @@
+"""GPT model provider: a megatron-core GPTModel built from a Hugging Face config.
+
+`make_model_provider(hf_config, ...)` returns a function with Megatron's
+`model_provider(pre_process, post_process)` shape; `build_model` calls it for this rank's
+pipeline stage. The layer spec is the Transformer Engine one when TE imports on a GPU and
+the local (pure megatron-core) one otherwise; TE's absence is never an error.
+"""
+
+import torch
+
+from megatron_specdec import families
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary so that every TP rank holds an equal multiple of 128."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def default_padding(hf_config, tp: int) -> dict:
+    return {
+        "query_groups": families.padded_query_groups(hf_config, tp),
+        "vocab_size": padded_vocab_size(hf_config.vocab_size, tp),
+    }
+
+
+def resolve_transformer_impl(impl: str = "auto") -> str:
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl={impl!r}; expected one of {TRANSFORMER_IMPLS}")
+    if impl != "auto":
+        return impl
+    if not torch.cuda.is_available():
+        return "local"
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return "local"
+    return "transformer_engine"
+
+
+def layer_spec(config, impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
+
+
+def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_impl="auto",
+                        max_sequence_length=None, padding=None, **config_overrides):
+    """A `model_provider(pre_process, post_process, vp_stage=None)` for `hf_config`.
+
+    `padding` ({"query_groups", "vocab_size"}) is the padding a checkpoint was saved with;
+    by default the padding for `tp`.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    padding = padding or default_padding(hf_config, tp)
+    if padding["vocab_size"] % tp:
+        raise ValueError(
+            f"padded vocabulary {padding['vocab_size']} cannot be split over tensor_parallel={tp}"
+        )
+    config = families.transformer_config(
+        hf_config, tp=tp, pp=pp, dtype=dtype, num_query_groups=padding["query_groups"],
+        **config_overrides,
+    )
+    impl = resolve_transformer_impl(transformer_impl)
+    rope = families.rope_settings(hf_config)
+
+    def model_provider(pre_process=True, post_process=True, vp_stage=None):
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, impl),
+            vocab_size=padding["vocab_size"],
+            max_sequence_length=max_sequence_length or hf_config.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=bool(
+                getattr(hf_config, "tie_word_embeddings", False)
+            ),
+            vp_stage=vp_stage,
+            **rope,
+        )
+
+    model_provider.config = config
+    model_provider.padding = padding
+    model_provider.transformer_impl = impl
+    return model_provider
+
+
+def build_model(hf_config, dtype=torch.float32, transformer_impl="auto", padding=None,
+                **config_overrides):
+    """This rank's stage of the GPTModel, on the current device, for the initialised TP/PP groups."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_specdec.distributed import device
+
+    provider = make_model_provider(
+        hf_config,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dtype=dtype,
+        transformer_impl=transformer_impl,
+        padding=padding,
+        **config_overrides,
+    )
+    model = provider(
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
+    )
+    model.padding = provider.padding
+    return model.to(device())

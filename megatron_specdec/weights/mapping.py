@@ -1,0 +1,209 @@
+"""Machinery that applies a declarative HF <-> Megatron weight table.
+
+A table is a list of `Rule`s. Each names a Megatron tensor (global layer index `{i}`), the HF
+tensor(s) it comes from, how they merge (`copy`, `qkv`, `gate_up`, `vocab`) and the tensor
+parallel split dimension. Layouts follow Megatron-Bridge: QKV interleaved per query group
+`[q heads of group g, k_g, v_g]`, fc1 = `[gate; up]`, vocabulary padded for TP.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    hf: Tuple[str, ...]
+    kind: str = "copy"  # copy | qkv | heads_in | gate_up | vocab
+    tp_dim: Optional[int] = None  # None: replicated across TP
+    optional: bool = False  # present only in some families (biases, q/k norms)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shapes the merge/split rules need."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    padded_groups: int  # zero groups appended so TP divides them
+
+    @classmethod
+    def from_hf(cls, hf_config, padding: dict):
+        from megatron_specdec.families import head_dim, query_groups
+
+        return cls(
+            num_heads=hf_config.num_attention_heads,
+            num_groups=query_groups(hf_config),
+            head_dim=head_dim(hf_config),
+            vocab_size=hf_config.vocab_size,
+            padded_vocab_size=padding["vocab_size"],
+            padded_groups=padding["query_groups"],
+        )
+
+    @property
+    def heads_per_group(self):
+        return self.num_heads // self.num_groups
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows, *t.shape[1:])]) if rows else t
+
+
+class WeightMappingError(KeyError):
+    def __str__(self):
+        return str(self.args[0])
+
+
+def _expand(template: str, layer: Optional[int]) -> str:
+    return template.format(i=layer) if layer is not None else template
+
+
+def expand_rules(rules, num_layers: int):
+    """Yield (rule, layer_index or None, megatron_name, hf_names) for every concrete tensor."""
+    for rule in rules:
+        layers = range(num_layers) if "{i}" in rule.megatron else [None]
+        for layer in layers:
+            yield rule, layer, _expand(rule.megatron, layer), tuple(_expand(h, layer) for h in rule.hf)
+
+
+def merge(rule: Rule, tensors, geo: Geometry) -> torch.Tensor:
+    """HF tensor(s) -> one global Megatron tensor."""
+    if rule.kind == "copy":
+        return tensors[0]
+    if rule.kind == "vocab":
+        return _pad_rows(tensors[0], geo.padded_vocab_size - tensors[0].shape[0])
+    if rule.kind == "gate_up":
+        return torch.cat(tensors, dim=0)
+    if rule.kind == "qkv":
+        q, k, v = tensors
+        rest = q.shape[1:]
+        q = q.reshape(geo.num_groups, geo.heads_per_group * geo.head_dim, *rest)
+        k = k.reshape(geo.num_groups, geo.head_dim, *rest)
+        v = v.reshape(geo.num_groups, geo.head_dim, *rest)
+        grouped = _pad_rows(torch.cat([q, k, v], dim=1), geo.padded_groups - geo.num_groups)
+        return grouped.reshape(-1, *rest)
+    if rule.kind == "heads_in":
+        extra = (geo.padded_groups - geo.num_groups) * geo.heads_per_group * geo.head_dim
+        return _pad_rows(tensors[0].t(), extra).t()
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def split(rule: Rule, tensor: torch.Tensor, geo: Geometry):
+    """One global Megatron tensor -> the HF tensor(s) it holds (inverse of `merge`)."""
+    if rule.kind == "copy":
+        return (tensor,)
+    if rule.kind == "vocab":
+        return (tensor[: geo.vocab_size],)
+    if rule.kind == "gate_up":
+        return tuple(tensor.chunk(2, dim=0))
+    if rule.kind == "qkv":
+        per_group = geo.heads_per_group
+        rest = tensor.shape[1:]
+        grouped = tensor.reshape(-1, (per_group + 2) * geo.head_dim, *rest)[: geo.num_groups]
+        q, k, v = grouped.split([per_group * geo.head_dim, geo.head_dim, geo.head_dim], dim=1)
+        return tuple(t.reshape(-1, *rest) for t in (q, k, v))
+    if rule.kind == "heads_in":
+        return (tensor[:, : geo.num_heads * geo.head_dim],)
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def shard(rule: Rule, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's slice of a global tensor (fc1 splits gate and up separately)."""
+    if rule.tp_dim is None or tp_size == 1:
+        return tensor
+    if rule.kind == "gate_up":
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+    return tensor.chunk(tp_size, dim=rule.tp_dim)[tp_rank]
+
+
+def unshard(rule: Rule, pieces) -> torch.Tensor:
+    """Inverse of `shard`: the TP slices of all ranks, in rank order -> the global tensor."""
+    if rule.tp_dim is None or len(pieces) == 1:
+        return pieces[0]
+    if rule.kind == "gate_up":
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(pieces, dim=rule.tp_dim)
+
+
+def hf_to_megatron(rules, hf_state: dict, geo: Geometry, num_layers: int) -> dict:
+    """HF state dict -> global Megatron tensors (global layer indices, padded vocabulary)."""
+    out = {}
+    for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
+        present = [n in hf_state for n in hf_names]
+        if not all(present):
+            if rule.optional and not any(present):
+                continue
+            missing = [n for n, p in zip(hf_names, present) if not p]
+            raise WeightMappingError(f"missing tensor {missing[0]!r} (needed for {meg_name})")
+        out[meg_name] = merge(rule, [hf_state[n] for n in hf_names], geo)
+    return out
+
+
+def megatron_to_hf(rules, meg_state: dict, geo: Geometry, num_layers: int) -> dict:
+    """Global Megatron tensors -> HF state dict (inverse of `hf_to_megatron`)."""
+    out = {}
+    for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
+        if meg_name not in meg_state:
+            if rule.optional:
+                continue
+            raise WeightMappingError(f"missing tensor {meg_name!r} in the Megatron checkpoint")
+        for name, tensor in zip(hf_names, split(rule, meg_state[meg_name], geo)):
+            out[name] = tensor
+    return out
+
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def to_global_name(local_name: str, layer_offset: int, keys_map: dict) -> str:
+    """A module's parameter name -> its checkpoint name: global layer index (a stage whose
+    first layer is global 12 holds `decoder.layers.3.x` as 15) and the layer spec's
+    `sharded_state_dict_keys_map` applied, as dist_checkpointing does."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    rest = m[3][1:]
+    for old, new in keys_map.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return f"{m[1]}{int(m[2]) + layer_offset}.{rest}"
+
+
+def layer_keys_map(model) -> dict:
+    decoder = getattr(model, "decoder", None)
+    if decoder is None or not len(decoder.layers):
+        return {}
+    return dict(decoder.layers[0].submodules_config.sharded_state_dict_keys_map)
+
+
+def rule_index(rules, num_layers: int) -> dict:
+    return {meg: rule for rule, _, meg, _ in expand_rules(rules, num_layers)}
+
+
+def load_into_model(model, rules, global_state: dict, num_layers: int, layer_offset: int,
+                    tp_rank: int, tp_size: int):
+    """Copy this rank's slices of `global_state` into `model`'s parameters, checking shapes."""
+    index = rule_index(rules, num_layers)
+    keys_map = layer_keys_map(model)
+    params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    for local_name, param in params.items():
+        name = to_global_name(local_name, layer_offset, keys_map)
+        if name not in global_state:
+            raise WeightMappingError(f"no source tensor for model parameter {name!r}")
+        value = shard(index[name], global_state[name], tp_rank, tp_size)
+        if tuple(value.shape) != tuple(param.shape):
+            raise WeightMappingError(
+                f"tensor {name!r}: expected shape {tuple(param.shape)} on TP rank {tp_rank}, "
+                f"found {tuple(value.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
