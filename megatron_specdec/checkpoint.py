@@ -186,3 +186,25 @@ def dtype_from_name(name: str) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     except KeyError:
         raise ValueError(f"dtype {name!r}; expected float32, bfloat16 or float16") from None
+
+
+def load_model_for_inference(path, dtype=None):
+    """(model, hf_config, tokenizer_dir) for this rank's TP/PP stage from a megatron_specdec
+    checkpoint, an HF model directory, or 'default' (the embedded SmolLM2). The caller has
+    initialised the process groups (`distributed.initialize`)."""
+    from megatron_specdec.default_model import resolve_model_path
+    from megatron_specdec.hf_conversion import model_from_hf
+    from megatron_specdec.model_provider import build_model
+
+    path = resolve_model_path(path)
+    if not (path / META_FILE).is_file() and (path / "config.json").is_file():
+        model, config = model_from_hf(path, dtype or torch.float32)
+        return model.eval(), config, path
+    meta = read_meta(path)
+    config = hf_config_from_meta(meta)
+    model = build_model(
+        config, dtype=dtype or dtype_from_name(meta["dtype"]),
+        transformer_impl=meta["transformer_impl"], padding=meta["padding"],
+    )
+    load_checkpoint(model, path)
+    return model.eval(), config, path / TOKENIZER_DIR

@@ -92,6 +92,8 @@ def apply():
         return
     # ~100 call sites pass torch.cuda.current_device() as a device (RoPE, TP mappings, p2p).
     torch.cuda.current_device = _cpu_device
+    # Tied embeddings under PP (LanguageModule) and other call sites move tensors with .cuda().
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # dist_checkpointing and the schedules synchronise the CUDA stream unconditionally.
     torch.cuda.synchronize = lambda *args, **kwargs: None
     _rng_state_patches()
