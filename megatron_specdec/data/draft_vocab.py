@@ -61,15 +61,11 @@ class DraftVocab:
 def count_tokens(samples: Iterable, vocab_size: int, assistant_only: bool = True) -> torch.Tensor:
     """Token counts int64 [vocab_size] over tokenized conversations (assistant tokens by default:
     those are what the draft predicts)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for sample in samples:
-        ids = torch.tensor(sample.input_ids, dtype=torch.int64)
-        if assistant_only:
-            ids = ids[torch.tensor(sample.loss_mask, dtype=torch.bool)]
-        if ids.numel() and int(ids.max()) >= vocab_size:
-            raise DataError(f"token id {int(ids.max())} >= vocab size {vocab_size}")
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
+    ids = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask) if m or not assistant_only]
+    ids = torch.tensor(ids, dtype=torch.int64)
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise DataError(f"token id {int(ids.max())} >= vocab size {vocab_size}")
+    return torch.bincount(ids, minlength=vocab_size)
 
 
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, always_include: Iterable[int] = ()) -> DraftVocab:
