@@ -1,0 +1,285 @@
+// CPU row math of the acceptance ops (see cpu_row.h).
+#include "cpu_row.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+// GCC/Clang emit one copy per ISA and pick at load time; the loops below are
+// written so the compiler vectorises them (no intrinsics to maintain).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SPECDEC_SIMD_CLONES
+#endif
+
+namespace specdec {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Rows are reduced in fixed chunks so the result does not depend on the thread count.
+constexpr int64_t kChunk = 8192;
+constexpr int kLanes = 8;
+
+// Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, then a degree-13 Taylor
+// polynomial: relative error ~2e-16. Below -708 the result would be subnormal
+// and is flushed to 0 (such a probability is never drawn nor accepted).
+inline double exp_nonpos_inline(double x) {
+  constexpr double kLog2e = 1.4426950408889634;
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer in the low bits
+  const double xc = x < -708.0 ? -708.0 : x;
+  const double t = xc * kLog2e + kShifter;
+  const double k = t - kShifter;
+  const double r = (xc - k * kLn2Hi) - k * kLn2Lo;
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  int64_t ki;
+  std::memcpy(&ki, &t, sizeof(ki));
+  const uint64_t bits = static_cast<uint64_t>(ki - 0x18000000000000LL + 1023) << 52;
+  double scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -708.0 ? 0.0 : p * scale;
+}
+
+inline double lanes_sum(const double* acc) {
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+void check_row(bool bad, double max, const char* op) {
+  TORCH_CHECK(!bad, op, ": target_logits must be finite or -inf (after temperature); found NaN or +inf");
+  TORCH_CHECK(max > -kInf, op, ": a target_logits row is entirely -inf (no token can be sampled)");
+}
+
+// Max and normaliser of one chunk, then chunks merged in order.
+template <typename T>
+RowDist plain_row_dist(const T* row, int64_t vocab, double temperature, const char* op) {
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  std::vector<double> maxs(chunks), sums(chunks);
+  std::vector<char> bads(chunks, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    double buf[kChunk];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n = std::min(kChunk, vocab - c * kChunk);
+      scale_row(row + c * kChunk, n, temperature, buf);
+      bool bad = false;
+      maxs[c] = block_max(buf, n, &bad);
+      bads[c] = bad;
+      sums[c] = maxs[c] > -kInf ? block_sum_exp(buf, n, maxs[c], -kInf) : 0.0;
+    }
+  });
+  RowDist d{-kInf, 0.0, -kInf};
+  bool bad = false;
+  for (int64_t c = 0; c < chunks; ++c) {
+    bad = bad || bads[c];
+    d.max = std::max(d.max, maxs[c]);
+  }
+  check_row(bad, d.max, op);
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (sums[c] > 0.0) d.sum += sums[c] * exp_nonpos_inline(maxs[c] - d.max);
+  }
+  return d;
+}
+
+// top-k / top-p: the cut is a threshold on x found on a sorted copy (reference semantics).
+template <typename T>
+RowDist cut_row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+                     const char* op) {
+  scratch.resize(2 * vocab);
+  double* x = scratch.data();
+  double* tmp = x + vocab;
+  scale_row(row, vocab, sp.temperature, x);
+  bool bad = false;
+  RowDist d{block_max(x, vocab, &bad), 0.0, -kInf};
+  check_row(bad, d.max, op);
+  if (sp.top_k > 0 && sp.top_k < vocab) {
+    std::copy(x, x + vocab, tmp);
+    std::nth_element(tmp, tmp + sp.top_k - 1, tmp + vocab, std::greater<double>());
+    d.cut = tmp[sp.top_k - 1];
+  }
+  if (sp.top_p < 1.0) {
+    const int64_t kept = std::copy_if(x, x + vocab, tmp, [&](double v) { return v >= d.cut; }) - tmp;
+    std::sort(tmp, tmp + kept, std::greater<double>());
+    const double sum = block_sum_exp(tmp, kept, d.max, -kInf);
+    double cum = 0.0;
+    for (int64_t j = 0; j < kept; ++j) {
+      cum += exp_nonpos_inline(tmp[j] - d.max) / sum;
+      if (!(cum < sp.top_p)) {
+        d.cut = std::max(d.cut, tmp[j]);
+        break;
+      }
+    }
+  }
+  d.sum = block_sum_exp(x, vocab, d.max, d.cut);
+  return d;
+}
+
+}  // namespace
+
+double exp_nonpos(double x) {
+  return exp_nonpos_inline(x);
+}
+
+SPECDEC_SIMD_CLONES
+double block_max(const double* x, int64_t n, bool* bad) {
+  double acc[kLanes];
+  bool flag[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    acc[l] = -kInf;
+    flag[l] = false;
+  }
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double v = x[j + l];
+      flag[l] = flag[l] | !(v < kInf);
+      acc[l] = v > acc[l] ? v : acc[l];
+    }
+  }
+  for (; j < n; ++j) {
+    flag[0] = flag[0] | !(x[j] < kInf);
+    acc[0] = x[j] > acc[0] ? x[j] : acc[0];
+  }
+  double m = -kInf;
+  for (int l = 0; l < kLanes; ++l) {
+    m = acc[l] > m ? acc[l] : m;
+    *bad = *bad || flag[l];
+  }
+  return m;
+}
+
+SPECDEC_SIMD_CLONES
+double block_sum_exp(const double* x, int64_t n, double shift, double cut) {
+  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double v = x[j + l];
+      acc[l] += v >= cut ? exp_nonpos_inline(v - shift) : 0.0;
+    }
+  }
+  for (; j < n; ++j) acc[0] += x[j] >= cut ? exp_nonpos_inline(x[j] - shift) : 0.0;
+  return lanes_sum(acc);
+}
+
+SPECDEC_SIMD_CLONES
+void block_probs(double* x, int64_t n, const RowDist& d) {
+  const double shift = d.max, cut = d.cut, sum = d.sum;
+  for (int64_t j = 0; j < n; ++j) x[j] = x[j] >= cut ? exp_nonpos_inline(x[j] - shift) / sum : 0.0;
+}
+
+SPECDEC_SIMD_CLONES
+double block_sum(const double* x, int64_t n) {
+  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[j + l];
+  }
+  for (; j < n; ++j) acc[0] += x[j];
+  return lanes_sum(acc);
+}
+
+SPECDEC_SIMD_CLONES
+void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe) {
+  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_xe[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double v = x[j + l] - shift;
+      const double e = exp_nonpos_inline(v);
+      acc[l] += e;
+      acc_xe[l] += e > 0.0 ? e * v : 0.0;
+    }
+  }
+  for (; j < n; ++j) {
+    const double v = x[j] - shift, e = exp_nonpos_inline(v);
+    acc[0] += e;
+    acc_xe[0] += e > 0.0 ? e * v : 0.0;
+  }
+  *sum = lanes_sum(acc);
+  *sum_xe = lanes_sum(acc_xe);
+}
+
+int64_t sample_weights(const double* w, int64_t n, double u) {
+  constexpr int64_t kBlock = 256;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> block_total(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_total[b] = block_sum(w + b * kBlock, std::min(kBlock, n - b * kBlock));
+    total += block_total[b];
+  }
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (running + block_total[b] <= target) {
+      running += block_total[b];
+      continue;
+    }
+    const int64_t end = std::min(n, (b + 1) * kBlock);
+    for (int64_t j = b * kBlock; j < end; ++j) {
+      running += w[j];
+      if (running > target) return j;
+    }
+  }
+  // Rounding put the target past the last partial sum: take the last drawable index.
+  for (int64_t j = n - 1; j > 0; --j) {
+    if (w[j] > 0.0) return j;
+  }
+  return 0;
+}
+
+template <typename T>
+RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+                 const char* op) {
+  if ((sp.top_k > 0 && sp.top_k < vocab) || sp.top_p < 1.0) return cut_row_dist(row, vocab, sp, scratch, op);
+  return plain_row_dist(row, vocab, sp.temperature, op);
+}
+
+template <typename T>
+int64_t row_argmax(const T* row, int64_t vocab, const char* op) {
+  double best = -kInf;
+  int64_t idx = 0;
+  bool nan = false;
+  for (int64_t j = 0; j < vocab; ++j) {
+    const double v = static_cast<double>(row[j]);
+    nan = nan || v != v;
+    if (v > best) {
+      best = v;
+      idx = j;
+    }
+  }
+  TORCH_CHECK(!nan, op, ": target_logits contains NaN");
+  return idx;
+}
+
+#define SPECDEC_INSTANTIATE(T)                                                                       \
+  template RowDist row_dist<T>(const T*, int64_t, const SamplingParams&, std::vector<double>&, \
+                               const char*);                                                      \
+  template int64_t row_argmax<T>(const T*, int64_t, const char*);
+SPECDEC_INSTANTIATE(float)
+SPECDEC_INSTANTIATE(double)
+SPECDEC_INSTANTIATE(c10::Half)
+SPECDEC_INSTANTIATE(c10::BFloat16)
+#undef SPECDEC_INSTANTIATE
+
+}  // namespace specdec

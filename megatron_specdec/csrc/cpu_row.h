@@ -1,0 +1,70 @@
+// CPU row math shared by the acceptance ops: the target distribution of one
+// logits row (temperature, top-k, top-p), probabilities, argmax and inverse-CDF draws.
+// Everything is float64 so the ops agree with the PyTorch reference token for token.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace specdec {
+
+struct SamplingParams {
+  double temperature;
+  int64_t top_k;  // 0: off
+  double top_p;   // 1: off
+};
+
+// p_j = exp(x_j - max) / sum for x_j >= cut, else 0, where x = logit / temperature.
+struct RowDist {
+  double max;
+  double sum;
+  double cut;
+};
+
+// Vectorisable exp for x <= 0 (x = -inf gives 0); within 1 ulp of std::exp.
+double exp_nonpos(double x);
+
+// Kernels over float64 blocks, compiled for AVX-512, AVX2 and baseline (runtime pick).
+double block_max(const double* x, int64_t n, bool* bad);  // bad: NaN or +inf seen
+double block_sum_exp(const double* x, int64_t n, double shift, double cut);
+void block_probs(double* x, int64_t n, const RowDist& d);  // x -> p in place
+double block_sum(const double* x, int64_t n);
+// sum_j e_j and sum_j e_j (x_j - shift) with e_j = exp(x_j - shift): the entropy's terms.
+void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe);
+
+// Index of the first weight whose running sum exceeds u * total (u in [0, 1)).
+int64_t sample_weights(const double* w, int64_t n, double u);
+
+// Copies logits[0:n] / temperature into out as float64.
+template <typename T>
+inline void scale_row(const T* row, int64_t n, double temperature, double* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<double>(row[j]) / temperature;
+}
+
+// Target distribution of one logits row. `scratch` (>= vocab doubles) is only
+// used when top-k or top-p is on. Raises on NaN/+inf logits and all -inf rows.
+template <typename T>
+RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+                 const char* op);
+
+// Probability of token j under d (reads one logit).
+template <typename T>
+inline double row_prob(const T* row, int64_t j, const RowDist& d, double temperature) {
+  const double x = static_cast<double>(row[j]) / temperature;
+  return x >= d.cut ? exp_nonpos(x - d.max) / d.sum : 0.0;
+}
+
+// Writes the full distribution d of `row` into out[0:vocab].
+template <typename T>
+inline void row_probs(const T* row, int64_t vocab, const RowDist& d, double temperature, double* out) {
+  scale_row(row, vocab, temperature, out);
+  block_probs(out, vocab, d);
+}
+
+// First index of the largest logit (torch.argmax semantics); raises on NaN.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t vocab, const char* op);
+
+}  // namespace specdec

@@ -1,0 +1,40 @@
+// Registers the acceptance ops as torch.ops.megatron_specdec.* and their CPU kernels.
+// The CUDA kernels register themselves in ops_cuda.cpp (CUDA builds only).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// Importing megatron_specdec._C loads the library, which runs the registrations below.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "Fused speculative-decoding acceptance ops.", -1,
+                               nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(megatron_specdec, m) {
+  m.def("greedy_chain_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens) -> (Tensor, Tensor)");
+  m.def("greedy_chain_verify_ids(Tensor draft_ids, Tensor target_ids, Tensor draft_lens) -> (Tensor, Tensor)");
+  m.def(
+      "stochastic_chain_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens, Tensor? draft_probs, "
+      "Tensor uniforms, float temperature, int top_k, float top_p) -> (Tensor, Tensor)");
+  m.def(
+      "tree_verify_greedy(Tensor tree_ids, Tensor parents, Tensor target_logits, Tensor num_nodes, int max_depth) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "tree_verify_stochastic(Tensor tree_ids, Tensor parents, Tensor target_logits, Tensor num_nodes, "
+      "Tensor? draft_probs, Tensor uniforms, int max_depth, float temperature, int top_k, float top_p) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "typical_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens, float temperature, float eps, "
+      "float alpha) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
+  m.impl("greedy_chain_verify", &specdec::greedy_chain_verify_cpu);
+  m.impl("greedy_chain_verify_ids", &specdec::greedy_chain_verify_ids_cpu);
+  m.impl("stochastic_chain_verify", &specdec::stochastic_chain_verify_cpu);
+  m.impl("tree_verify_greedy", &specdec::tree_verify_greedy_cpu);
+  m.impl("tree_verify_stochastic", &specdec::tree_verify_stochastic_cpu);
+  m.impl("typical_verify", &specdec::typical_verify_cpu);
+}
