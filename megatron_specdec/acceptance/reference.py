@@ -160,7 +160,7 @@ def tree_verify_greedy(tree_ids, parents, target_logits, num_nodes, max_depth):
         match = tree_ids[:, i] == argmax.gather(1, up).squeeze(1)
         ok[:, i + 1] = ok.gather(1, up).squeeze(1) & match & valid[:, i]
     depth = torch.where(ok[:, 1:], tree_depths(parents, num_nodes), 0)
-    padded = torch.cat([torch.zeros_like(depth[:, :1]), depth], 1)
+    padded = torch.cat([depth.new_zeros(batch, 1), depth], 1)
     counts = padded.max(1).values
     best = padded.argmax(1) - 1
     final = argmax.gather(1, (best + 1)[:, None]).squeeze(1)

@@ -1,0 +1,136 @@
+"""Fused acceptance ops vs the PyTorch reference: median wall time per call.
+
+Drafts come from a noisy copy of the target (draft logits = target + noise), so
+acceptance rates are realistic rather than all-or-nothing. Both sides get the
+same inputs and uniforms and must return the same tokens (checked here too).
+Prints a table and writes bench/results/acceptance_cpu.json (and
+acceptance_cuda.json with CUDA vs reference when a GPU is present).
+
+    python bench/bench_acceptance.py [--repeats 5] [--threads N]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import megatron_specdec._C  # noqa: F401  (registers torch.ops.megatron_specdec)
+from megatron_specdec.acceptance import reference
+
+VOCAB = 49152
+OPS = torch.ops.megatron_specdec
+
+
+def _time(fn, repeats, device):
+    fn()  # warm-up (allocations, first-touch, lazy init)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def _chain_inputs(batch, k, device, gen):
+    target = torch.randn(batch, k + 1, VOCAB, generator=gen) * 4.0
+    draft_logits = target[:, :k] + torch.randn(batch, k, VOCAB, generator=gen) * 1.5
+    q = draft_logits.softmax(-1)
+    draft = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, k)
+    lens = torch.full((batch,), k, dtype=torch.long)
+    uniforms = torch.rand(batch, k + 1, generator=gen)
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(draft), to(target), to(lens), to(q), to(uniforms), to(draft_logits.argmax(-1))
+
+
+def _tree_inputs(batch, device, gen):
+    # Two levels of top-3 children below the root plus one chain of 3 under the first: N = 15.
+    parents = [-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 12, 13]
+    n = len(parents)
+    par = torch.tensor(parents).expand(batch, n).contiguous()
+    target = torch.randn(batch, n + 1, VOCAB, generator=gen) * 4.0
+    ids = torch.empty(batch, n, dtype=torch.long)
+    for i, up in enumerate(parents):
+        ids[:, i] = (target[:, up + 1] + torch.randn(batch, VOCAB, generator=gen) * 1.5).argmax(-1)
+    uniforms = torch.rand(batch, n + 1, generator=gen)
+    nodes = torch.full((batch,), n, dtype=torch.long)
+    depth = int(reference.tree_depths(par, nodes).max())
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(ids), to(par), to(target), to(nodes), to(uniforms), depth
+
+
+def _cases(device, gen):
+    for batch in (1, 8, 64):
+        for k in (4, 8):
+            draft, target, lens, q, u, greedy_draft = _chain_inputs(batch, k, device, gen)
+            size = f"B={batch} K={k}"
+            yield ("greedy_chain", size,
+                   lambda: OPS.greedy_chain_verify(greedy_draft, target, lens),
+                   lambda: reference.greedy_chain_verify(greedy_draft, target, lens))
+            yield ("stochastic_chain", size,
+                   lambda: OPS.stochastic_chain_verify(draft, target, lens, q, u, 1.0, 0, 1.0),
+                   lambda: reference.stochastic_chain_verify(draft, target, lens, q, u, 1.0, 0, 1.0))
+            if batch == 64 and k == 8:
+                yield ("stochastic_chain q=None T=0.7", size,
+                       lambda: OPS.stochastic_chain_verify(greedy_draft, target, lens, None, u, 0.7, 0, 1.0),
+                       lambda: reference.stochastic_chain_verify(greedy_draft, target, lens, None, u, 0.7, 0, 1.0))
+                yield ("typical", size,
+                       lambda: OPS.typical_verify(greedy_draft, target, lens, 0.7, 0.09, 0.3),
+                       lambda: reference.typical_verify(greedy_draft, target, lens, 0.7, 0.09, 0.3))
+    ids, par, target, nodes, u, depth = _tree_inputs(8, device, gen)
+    yield ("tree_greedy", "B=8 N=15",
+           lambda: OPS.tree_verify_greedy(ids, par, target, nodes, depth),
+           lambda: reference.tree_verify_greedy(ids, par, target, nodes, depth))
+    yield ("tree_stochastic q=None", "B=8 N=15",
+           lambda: OPS.tree_verify_stochastic(ids, par, target, nodes, None, u, depth, 1.0, 0, 1.0),
+           lambda: reference.tree_verify_stochastic(ids, par, target, nodes, None, u, depth, 1.0, 0, 1.0))
+
+
+def run(device, repeats):
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{'op':32s} {'size':12s} {'fused ms':>10s} {'reference ms':>13s} {'speedup':>8s} {'mean accepted':>14s}")
+    for name, size, fused, ref in _cases(device, gen):
+        t_fused, out_fused = _time(fused, repeats, device)
+        t_ref, out_ref = _time(ref, repeats, device)
+        same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out_fused, out_ref))
+        if not same:
+            raise SystemExit(f"{name} {size}: fused and reference outputs differ")
+        accepted = out_fused[1].double().mean().item()
+        rows.append(dict(op=name, size=size, fused_ms=t_fused * 1e3, reference_ms=t_ref * 1e3,
+                         speedup=t_ref / t_fused, mean_accepted=accepted))
+        print(f"{name:32s} {size:12s} {t_fused * 1e3:10.3f} {t_ref * 1e3:13.3f} {t_ref / t_fused:7.1f}x "
+              f"{accepted:14.2f}")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        print(f"\n{device.type}: vocab {VOCAB}, median of {args.repeats}, {torch.get_num_threads()} threads")
+        rows = run(device, args.repeats)
+        meta = dict(device=device.type, vocab=VOCAB, repeats=args.repeats, threads=torch.get_num_threads(),
+                    torch=torch.__version__, cpu=platform.processor() or platform.machine(),
+                    gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
+        path = os.path.join(out_dir, f"acceptance_{device.type}.json")
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=2)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
