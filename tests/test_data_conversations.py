@@ -4,7 +4,11 @@ import logging
 import pytest
 
 from megatron_specdec.data import (
-    DataError, end_of_turn_ids, load_tokenizer, read_conversations, tokenize_conversation,
+    DataError,
+    end_of_turn_ids,
+    load_tokenizer,
+    read_conversations,
+    tokenize_conversation,
 )
 
 EOS = 2  # <|im_end|>, SmolLM2's end of turn
@@ -51,7 +55,7 @@ def test_loss_mask_covers_exactly_the_assistant_replies(tokenizer):
     assert runs[1] == tokenizer("6", add_special_tokens=False)["input_ids"] + [EOS]
     # The newline after <|im_end|> is template glue, never generated: unmasked.
     last = max(i for i, m in enumerate(sample.loss_mask) if m)
-    assert sample.input_ids[last] == EOS and sample.loss_mask[last + 1:] == [0]
+    assert sample.input_ids[last] == EOS and sample.loss_mask[last + 1 :] == [0]
 
 
 def test_system_message_and_truncation(tokenizer):
@@ -61,7 +65,10 @@ def test_system_message_and_truncation(tokenizer):
     assert [tokenizer.decode(r) for r in _masked_runs(full)] == ["  It is 4.\nDone<|im_end|>"]
     first = full.loss_mask.index(1)
     cut = tokenize_conversation(tokenizer, chat, max_length=first + 2)
-    assert cut.input_ids == full.input_ids[: first + 2] and cut.loss_mask == full.loss_mask[: first + 2]
+    assert (
+        cut.input_ids == full.input_ids[: first + 2]
+        and cut.loss_mask == full.loss_mask[: first + 2]
+    )
     assert cut.num_loss_tokens == 2
 
 
@@ -70,7 +77,9 @@ def test_non_incremental_template_is_refused(tokenizer):
         """A template whose rendering of earlier turns changes as turns are added."""
 
         def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-            return "".join(m["content"] for m in reversed(messages)) + ("|" if add_generation_prompt else "")
+            return "".join(m["content"] for m in reversed(messages)) + (
+                "|" if add_generation_prompt else ""
+            )
 
     with pytest.raises(DataError, match="incrementally"):
         tokenize_conversation(Reversing(), CHAT, eos_ids={EOS})
@@ -92,8 +101,13 @@ def test_read_conversations_validates_and_dedupes(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         rows = read_conversations(path)
     assert [r["id"] for r in rows] == ["a", "e"]
-    for lineno, reason in [(2, "alternate"), (3, "no assistant"), (4, "'id'"), (5, "string 'content'"),
-                           (6, "duplicate id 'a'")]:
+    for lineno, reason in [
+        (2, "alternate"),
+        (3, "no assistant"),
+        (4, "'id'"),
+        (5, "string 'content'"),
+        (6, "duplicate id 'a'"),
+    ]:
         assert f"{path}:{lineno}" in caplog.text and reason in caplog.text
     with pytest.raises(DataError, match=rf"{path}:2: roles must alternate"):
         read_conversations([path], on_error="fail")

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from megatron_specdec.data import (
-    BatchIterator, ConversationDataset, DataError, TokenizedConversation, load_tokenizer,
+    BatchIterator,
+    ConversationDataset,
+    DataError,
+    TokenizedConversation,
+    load_tokenizer,
     packed_attention_mask,
 )
 
@@ -18,8 +22,11 @@ def _samples(n=23, seed=0):
     for i in range(n):
         length = int(torch.randint(3, 15, (1,), generator=g))
         prompt = int(torch.randint(1, length // 2 + 1, (1,), generator=g))
-        out.append(TokenizedConversation([1000 * (i + 1) + t for t in range(length)],
-                                         [0] * prompt + [1] * (length - prompt)))
+        out.append(
+            TokenizedConversation(
+                [1000 * (i + 1) + t for t in range(length)], [0] * prompt + [1] * (length - prompt)
+            )
+        )
     return out
 
 
@@ -34,12 +41,17 @@ def test_padded_rows_have_fixed_shapes():
     for i, s in enumerate(samples):
         row = ds[i]
         assert {k: (v.shape, v.dtype) for k, v in row.items()} == {
-            "input_ids": ((12,), torch.long), "loss_mask": ((12,), torch.float32),
-            "position_ids": ((12,), torch.long), "segment_ids": ((12,), torch.long)}
+            "input_ids": ((12,), torch.long),
+            "loss_mask": ((12,), torch.float32),
+            "position_ids": ((12,), torch.long),
+            "segment_ids": ((12,), torch.long),
+        }
         n = min(len(s.input_ids), 12)
         assert row["input_ids"][:n].tolist() == s.input_ids[:n]
         assert row["loss_mask"].tolist() == s.loss_mask[:n] + [0.0] * (12 - n)
-        assert (row["input_ids"][n:] == PAD).all() and row["segment_ids"].tolist() == [1] * n + [0] * (12 - n)
+        assert (row["input_ids"][n:] == PAD).all() and row["segment_ids"].tolist() == [1] * n + [
+            0
+        ] * (12 - n)
         assert row["position_ids"].tolist() == list(range(n)) + list(range(12 - n))
 
 
@@ -60,15 +72,23 @@ def test_packing_keeps_every_conversation_whole_once():
             seen.append(k)
             assert ids == samples[k].input_ids  # whole, contiguous
             assert row["loss_mask"][where].tolist() == samples[k].loss_mask
-            assert row["position_ids"][where].tolist() == list(range(len(ids)))  # reset per conversation
+            assert row["position_ids"][where].tolist() == list(
+                range(len(ids))
+            )  # reset per conversation
     assert sorted(seen) == list(range(len(samples)))
     # Packing is a function of the seed.
     again = ConversationDataset(samples, 32, PAD, pack=True, seed=3)
-    assert again.rows == ds.rows and ConversationDataset(samples, 32, PAD, pack=True, seed=4).rows != ds.rows
+    assert (
+        again.rows == ds.rows
+        and ConversationDataset(samples, 32, PAD, pack=True, seed=4).rows != ds.rows
+    )
 
 
 def test_samples_without_assistant_tokens_in_window_are_dropped():
-    samples = [TokenizedConversation([1, 2, 3, 4], [0, 0, 0, 1]), TokenizedConversation([1, 2], [0, 1])]
+    samples = [
+        TokenizedConversation([1, 2, 3, 4], [0, 0, 0, 1]),
+        TokenizedConversation([1, 2], [0, 1]),
+    ]
     assert len(ConversationDataset(samples, 3, PAD)) == 1
     with pytest.raises(DataError, match="no conversation"):
         ConversationDataset(samples[:1], 3, PAD)
@@ -77,14 +97,17 @@ def test_samples_without_assistant_tokens_in_window_are_dropped():
 def test_packed_attention_mask_is_causal_and_block_diagonal():
     seg = torch.tensor([[1, 1, 2, 2, 2, 0]])
     allowed = ~packed_attention_mask(seg)[0, 0]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [0, 0, 1, 0, 0, 0],
-        [0, 0, 1, 1, 0, 0],
-        [0, 0, 1, 1, 1, 0],
-        [0, 0, 0, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 0],
+            [0, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(allowed, expected)
 
 
@@ -109,13 +132,17 @@ def test_batches_are_deterministic_and_resume_exactly():
     it = BatchIterator(ds, 4, seed=7)
     _take(it, 6)
     assert it.consumed_samples == 24
-    assert _same(ref[6:], _take(BatchIterator(ds, 4, seed=7, consumed_samples=it.consumed_samples), 9))
+    assert _same(
+        ref[6:], _take(BatchIterator(ds, 4, seed=7, consumed_samples=it.consumed_samples), 9)
+    )
 
 
 def test_data_parallel_ranks_split_the_global_batch():
     ds = ConversationDataset(_samples(), 16, PAD)
     ref = _take(BatchIterator(ds, 6, seed=1), 5)
-    ranks = [BatchIterator(ds, 2, seed=1, data_parallel_rank=r, data_parallel_size=3) for r in range(3)]
+    ranks = [
+        BatchIterator(ds, 2, seed=1, data_parallel_rank=r, data_parallel_size=3) for r in range(3)
+    ]
     for step in range(5):
         parts = [next(it) for it in ranks]
         assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ref[step]["input_ids"])
@@ -127,9 +154,16 @@ def test_data_parallel_ranks_split_the_global_batch():
 def test_from_files_with_the_real_tokenizer(tmp_path):
     tokenizer = load_tokenizer("default")
     path = tmp_path / "c.jsonl"
-    rows = [{"id": str(i), "conversations": [{"role": "user", "content": f"Count to {i}"},
-                                             {"role": "assistant", "content": " ".join(map(str, range(i)))}]}
-            for i in range(1, 9)]
+    rows = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"role": "user", "content": f"Count to {i}"},
+                {"role": "assistant", "content": " ".join(map(str, range(i)))},
+            ],
+        }
+        for i in range(1, 9)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = ConversationDataset.from_files(path, tokenizer, seq_length=128, pack=True)
     batch = next(BatchIterator(ds, 2))

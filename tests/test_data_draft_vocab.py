@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from megatron_specdec.data import (
-    DataError, DraftVocab, TokenizedConversation, build_draft_vocab, calibrate, count_tokens, load_tokenizer,
+    DataError,
+    DraftVocab,
+    TokenizedConversation,
+    build_draft_vocab,
+    calibrate,
+    count_tokens,
+    load_tokenizer,
 )
 
 
@@ -36,7 +42,10 @@ def test_bad_sizes_name_the_flag(size):
 
 
 def test_count_tokens_assistant_only_or_all():
-    samples = [TokenizedConversation([1, 2, 3, 3], [0, 0, 1, 1]), TokenizedConversation([2, 4], [0, 1])]
+    samples = [
+        TokenizedConversation([1, 2, 3, 3], [0, 0, 1, 1]),
+        TokenizedConversation([2, 4], [0, 1]),
+    ]
     assert count_tokens(samples, 5).tolist() == [0, 0, 0, 2, 1]
     assert count_tokens(samples, 5, assistant_only=False).tolist() == [0, 1, 2, 2, 1]
     with pytest.raises(DataError, match="vocab size 4"):
@@ -57,9 +66,21 @@ def test_save_load_roundtrip(tmp_path):
 def test_calibrate_on_conversations_with_the_real_tokenizer(tmp_path, tokenizer):
     answers = ["the cat sat on the mat", "the dog sat", "a cat and the dog"]
     path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"id": str(i), "conversations": [
-        {"role": "user", "content": "Tell me about pets"}, {"role": "assistant", "content": a}]}) + "\n"
-        for i, a in enumerate(answers)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": str(i),
+                    "conversations": [
+                        {"role": "user", "content": "Tell me about pets"},
+                        {"role": "assistant", "content": a},
+                    ],
+                }
+            )
+            + "\n"
+            for i, a in enumerate(answers)
+        )
+    )
     vocab = calibrate(path, tokenizer, draft_vocab_size=4)
     assert vocab.vocab_size == 49152 and vocab.draft_vocab_size == 4
     the, sat = (tokenizer(w, add_special_tokens=False)["input_ids"][-1] for w in (" the", " sat"))
@@ -73,7 +94,9 @@ def test_calibrate_on_conversations_with_the_real_tokenizer(tmp_path, tokenizer)
 def test_calibration_without_usable_rows_names_the_file(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": "x", "conversations": []}\nnot json\n')
-    with pytest.raises(DataError, match=f"no usable conversation rows in calibration data.*{path.name}"):
+    with pytest.raises(
+        DataError, match=f"no usable conversation rows in calibration data.*{path.name}"
+    ):
         calibrate(path, tokenizer, 8)
     with pytest.raises(DataError, match="does not exist"):
         calibrate(tmp_path / "nope.jsonl", tokenizer, 8)

@@ -35,13 +35,33 @@ class StubServer:
                 if stub.fail_with:
                     self._send(stub.fail_with.pop(0), {"error": {"message": "stub says no"}})
                 elif self.path == "/v1/completions":
-                    self._send(200, {"choices": [
-                        {"index": i, "text": f" answer {len(p)}", "finish_reason": "stop" if len(p) % 2 else "length"}
-                        for i, p in reversed(list(enumerate(body["prompt"])))]})
+                    self._send(
+                        200,
+                        {
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "text": f" answer {len(p)}",
+                                    "finish_reason": "stop" if len(p) % 2 else "length",
+                                }
+                                for i, p in reversed(list(enumerate(body["prompt"])))
+                            ]
+                        },
+                    )
                 elif self.path == "/v1/chat/completions":
                     last = body["messages"][-1]["content"]
-                    self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": f"re: {last}"}}]})
+                    self._send(
+                        200,
+                        {
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": f"re: {last}"},
+                                }
+                            ]
+                        },
+                    )
                 else:
                     self._send(404, {"error": "no such path"})
 
@@ -63,7 +83,11 @@ class StubServer:
         self.stop = threading.Event()
 
         def serve():
-            while len(self.requests) < max_requests and time.monotonic() < deadline and not self.stop.is_set():
+            while (
+                len(self.requests) < max_requests
+                and time.monotonic() < deadline
+                and not self.stop.is_set()
+            ):
                 self.httpd.handle_request()
             self.httpd.server_close()
 
@@ -104,7 +128,12 @@ def test_completions_endpoint_sends_token_ids_in_one_request(stub, tokenizer):
     assert out == [_ids(tokenizer, " answer 3") + [EOS], _ids(tokenizer, " answer 2")]
     [(path, body)] = server.requests
     assert path == "/v1/completions"
-    assert body == {"model": "smol", "max_tokens": 16, "temperature": 0.0, "prompt": [[5, 6, 7], [8, 9]]}
+    assert body == {
+        "model": "smol",
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "prompt": [[5, 6, 7], [8, 9]],
+    }
 
 
 def test_chat_endpoint_sends_messages(stub, tokenizer):
@@ -137,7 +166,9 @@ def test_unreachable_server_fails_after_retries(tokenizer):
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    backend = OpenAIBackend(f"http://127.0.0.1:{port}", "smol", tokenizer, max_retries=2, retry_delay=0.01)
+    backend = OpenAIBackend(
+        f"http://127.0.0.1:{port}", "smol", tokenizer, max_retries=2, retry_delay=0.01
+    )
     with pytest.raises(BackendError, match="failed after 3 attempts"):
         backend.generate([[1]], 4)
 
@@ -145,15 +176,48 @@ def test_unreachable_server_fails_after_retries(tokenizer):
 @pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}")
 def test_cli_regenerate_through_the_server_then_calibrate(stub, tmp_path):
     server = stub()
-    args = ["regenerate", "--data-dir", str(DATA_DIR), "--out", str(tmp_path / "regen.jsonl"),
-            "--backend", "openai", "--url", server.url, "--model", "smol", "--batch-size", "4",
-            "--limit", "6", "--num-shards", "2", "--shard-index", "1", "--no-progress"]
+    args = [
+        "regenerate",
+        "--data-dir",
+        str(DATA_DIR),
+        "--out",
+        str(tmp_path / "regen.jsonl"),
+        "--backend",
+        "openai",
+        "--url",
+        server.url,
+        "--model",
+        "smol",
+        "--batch-size",
+        "4",
+        "--limit",
+        "6",
+        "--num-shards",
+        "2",
+        "--shard-index",
+        "1",
+        "--no-progress",
+    ]
     assert main(args) == 0
     out = tmp_path / "regen.shard00001-of-00002.jsonl"
     rows = read_conversations(out, on_error="fail")
     assert len(rows) == 6 and len(server.requests) == 2
-    assert all(r["id"].split(":")[0] in {"gsm8k", "self_instruct_seed", "self_instruct_user"} for r in rows)
+    assert all(
+        r["id"].split(":")[0] in {"gsm8k", "self_instruct_seed", "self_instruct_user"} for r in rows
+    )
     assert main(args) == 0 and len(server.requests) == 2  # resumed: nothing left to do
-    assert main(["calibrate", "--data", str(out), "--draft-vocab-size", "32",
-                 "--out", str(tmp_path / "d2t.safetensors")]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--data",
+                str(out),
+                "--draft-vocab-size",
+                "32",
+                "--out",
+                str(tmp_path / "d2t.safetensors"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "d2t.safetensors").is_file()

@@ -6,7 +6,13 @@ import json
 import pytest
 
 from megatron_specdec.data import (
-    DataError, PromptRow, load_tokenizer, read_conversations, regenerate, select_shard, shard_output_path,
+    DataError,
+    PromptRow,
+    load_tokenizer,
+    read_conversations,
+    regenerate,
+    select_shard,
+    shard_output_path,
 )
 from megatron_specdec.data.jsonl import DurableJsonlWriter
 
@@ -26,7 +32,10 @@ class EchoBackend:
         if self.kill_after is not None and len(self.prompts) + len(prompts) > self.kill_after:
             raise Killed
         self.prompts += prompts
-        return [[t for t in p if t > EOS][-6:][::-1] + ([EOS] if len(p) % 2 == 0 else []) for p in prompts]
+        return [
+            [t for t in p if t > EOS][-6:][::-1] + ([EOS] if len(p) % 2 == 0 else [])
+            for p in prompts
+        ]
 
 
 class Killed(Exception):
@@ -39,7 +48,8 @@ def tokenizer():
 
 
 ROWS = [PromptRow(f"s:{i}", "s", (f"Question number {i}?",)) for i in range(1, 30)] + [
-    PromptRow("m:1", "m", ("First turn.", "Second turn, please."), {"category": "x"})]
+    PromptRow("m:1", "m", ("First turn.", "Second turn, please."), {"category": "x"})
+]
 
 
 def _lines(path):
@@ -58,7 +68,10 @@ def test_rows_are_conversations_in_order(reference, tokenizer):
     rows = [json.loads(line) for line in reference]
     assert [r["id"] for r in rows] == [r.id for r in ROWS]
     first = rows[0]
-    assert first["source"] == "s" and [m["role"] for m in first["conversations"]] == ["user", "assistant"]
+    assert first["source"] == "s" and [m["role"] for m in first["conversations"]] == [
+        "user",
+        "assistant",
+    ]
     assert first["conversations"][0]["content"] == "Question number 1?"
     assert set(r["finish_reasons"][0] for r in rows) == {"stop", "length"}
     multi = rows[-1]
@@ -71,7 +84,9 @@ def test_second_turn_sees_the_first_answer(tokenizer, tmp_path):
     regenerate(ROWS[-1:], backend, tokenizer, tmp_path / "o.jsonl", progress=False)
     row = json.loads(_lines(tmp_path / "o.jsonl")[0])
     second_prompt = tokenizer.decode(backend.prompts[1])
-    assert row["conversations"][1]["content"] in second_prompt and second_prompt.endswith("<|im_start|>assistant\n")
+    assert row["conversations"][1]["content"] in second_prompt and second_prompt.endswith(
+        "<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize("kill_after", [0, 5, 13])
@@ -126,7 +141,12 @@ def test_limit_takes_a_prefix_of_the_shard_order():
 
 def test_eval_sources_are_refused(tokenizer, tmp_path):
     with pytest.raises(DataError, match="evaluation-only"):
-        regenerate([PromptRow("mt_bench:1", "mt_bench", ("q",))], EchoBackend(), tokenizer, tmp_path / "o.jsonl")
+        regenerate(
+            [PromptRow("mt_bench:1", "mt_bench", ("q",))],
+            EchoBackend(),
+            tokenizer,
+            tmp_path / "o.jsonl",
+        )
 
 
 def test_one_writer_per_file(tmp_path):

@@ -8,13 +8,20 @@ from megatron_specdec.data import DataError, PRESETS, read_source, read_sources
 from megatron_specdec.data.sources import SourceSpec, parse_source
 
 DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}")
+needs_data = pytest.mark.skipif(
+    not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}"
+)
 
 
 @needs_data
 def test_presets_read_the_shared_files():
     counts = {name: len(read_source(name, DATA_DIR, on_error="fail")) for name in PRESETS}
-    assert counts == {"gsm8k": 7473, "self_instruct_seed": 175, "self_instruct_user": 252, "mt_bench": 80}
+    assert counts == {
+        "gsm8k": 7473,
+        "self_instruct_seed": 175,
+        "self_instruct_user": 252,
+        "mt_bench": 80,
+    }
 
 
 @needs_data
@@ -59,8 +66,13 @@ def test_bad_rows_are_skipped_with_file_and_line(tmp_path, caplog):
         rows = read_source(spec)
     assert [(r.id, r.turns) for r in rows] == [("mine:1", ("good one",)), ("mine:8", ("good two",))]
     text = caplog.text
-    for lineno, reason in [(2, "invalid JSON"), (4, "missing field 'q'"), (5, "field 'q' must be a string"),
-                           (6, "empty prompt"), (7, "expected a JSON object")]:
+    for lineno, reason in [
+        (2, "invalid JSON"),
+        (4, "missing field 'q'"),
+        (5, "field 'q' must be a string"),
+        (6, "empty prompt"),
+        (7, "expected a JSON object"),
+    ]:
         assert f"{path}:{lineno}: {reason}" in text
     assert "skipped 5 bad row(s)" in text
 
@@ -74,13 +86,25 @@ def test_bad_rows_are_fatal_when_configured(tmp_path):
 
 
 def test_custom_spec_dotted_fields_and_turns(tmp_path):
-    path = _write(tmp_path / "c.jsonl", [
-        json.dumps({"task": {"text": "Sum"}, "inputs": [{"x": "1 2"}], "k": 3}),
-        json.dumps({"task": {"text": "Hi"}, "inputs": []}),
-        json.dumps({"task": {"text": "Bad"}, "inputs": [{"x": 5}]}),
-    ])
-    spec = parse_source(json.dumps({"name": "c", "file": "c.jsonl", "prompt": "task.text",
-                                    "context": "inputs.0.x", "meta": ["k"]}))
+    path = _write(
+        tmp_path / "c.jsonl",
+        [
+            json.dumps({"task": {"text": "Sum"}, "inputs": [{"x": "1 2"}], "k": 3}),
+            json.dumps({"task": {"text": "Hi"}, "inputs": []}),
+            json.dumps({"task": {"text": "Bad"}, "inputs": [{"x": 5}]}),
+        ],
+    )
+    spec = parse_source(
+        json.dumps(
+            {
+                "name": "c",
+                "file": "c.jsonl",
+                "prompt": "task.text",
+                "context": "inputs.0.x",
+                "meta": ["k"],
+            }
+        )
+    )
     rows = read_source(spec, tmp_path)
     assert [(r.turns, r.meta) for r in rows] == [(("Sum\n\n1 2",), {"k": 3}), (("Hi",), {})]
 

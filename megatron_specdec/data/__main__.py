@@ -12,13 +12,28 @@ log = logging.getLogger("megatron_specdec.data")
 
 
 def _source_args(p, default_sources):
-    p.add_argument("--sources", default=",".join(default_sources),
-                   help=f"comma-separated preset names (default: %(default)s; presets: {', '.join(PRESETS)})")
-    p.add_argument("--source-spec", action="append", default=[], metavar="JSON",
-                   help='extra jsonl source, e.g. \'{"name": "mine", "file": "/x.jsonl", "prompt": "question"}\' '
-                        "(fields of SourceSpec; repeatable)")
-    p.add_argument("--data-dir", help="directory that preset (and relative) source files are read from")
-    p.add_argument("--on-error", choices=ON_ERROR_CHOICES, default="skip", help="bad input rows (default: skip)")
+    p.add_argument(
+        "--sources",
+        default=",".join(default_sources),
+        help=f"comma-separated preset names (default: %(default)s; presets: {', '.join(PRESETS)})",
+    )
+    p.add_argument(
+        "--source-spec",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='extra jsonl source, e.g. \'{"name": "mine", "file": "/x.jsonl", "prompt": "question"}\' '
+        "(fields of SourceSpec; repeatable)",
+    )
+    p.add_argument(
+        "--data-dir", help="directory that preset (and relative) source files are read from"
+    )
+    p.add_argument(
+        "--on-error",
+        choices=ON_ERROR_CHOICES,
+        default="skip",
+        help="bad input rows (default: skip)",
+    )
 
 
 def _specs(args) -> list:
@@ -27,27 +42,40 @@ def _specs(args) -> list:
 
 
 def _regenerate(args):
-    from megatron_specdec.data.conversations import end_of_turn_ids, load_tokenizer
+    from megatron_specdec.data.conversations import load_tokenizer
     from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
     from megatron_specdec.data.sources import read_sources
 
     rows = read_sources(_specs(args), args.data_dir, args.on_error)
     rows = select_shard(rows, args.shard_index, args.num_shards, args.limit)
     out = shard_output_path(args.out, args.shard_index, args.num_shards)
-    tokenizer = load_tokenizer(args.tokenizer)
     if args.backend == "openai":
         from megatron_specdec.data.openai_backend import OpenAIBackend
 
         if not args.url or not args.model:
             raise DataError("--backend openai needs --url and --model")
-        backend = OpenAIBackend(args.url, args.model, tokenizer, args.endpoint, args.timeout, args.max_retries)
+        tokenizer = load_tokenizer(args.tokenizer or "default")
+        backend = OpenAIBackend(
+            args.url, args.model, tokenizer, args.endpoint, args.timeout, args.max_retries
+        )
     else:
         from megatron_specdec.data.megatron_backend import MegatronBackend
 
-        backend = MegatronBackend(args.checkpoint, end_of_turn_ids(tokenizer))
+        backend = MegatronBackend(
+            args.checkpoint, load_tokenizer(args.tokenizer) if args.tokenizer else None
+        )
+        tokenizer = backend.tokenizer
     log.info("shard %d/%d: %d prompts -> %s", args.shard_index, args.num_shards, len(rows), out)
-    regenerate(rows, backend, tokenizer, out, args.batch_size, args.max_new_tokens,
-               args.system_prompt, progress=not args.no_progress)
+    regenerate(
+        rows,
+        backend,
+        tokenizer,
+        out,
+        args.batch_size,
+        args.max_new_tokens,
+        args.system_prompt,
+        progress=not args.no_progress,
+    )
 
 
 def _calibrate(args):
@@ -55,17 +83,35 @@ def _calibrate(args):
     from megatron_specdec.data.draft_vocab import calibrate
 
     tokenizer = load_tokenizer(args.tokenizer)
-    vocab = calibrate(args.data, tokenizer, args.draft_vocab_size, not args.all_tokens,
-                      args.max_length, args.vocab_size, args.on_error)
+    vocab = calibrate(
+        args.data,
+        tokenizer,
+        args.draft_vocab_size,
+        not args.all_tokens,
+        args.max_length,
+        args.vocab_size,
+        args.on_error,
+    )
     covered = vocab.counts[vocab.t2d].sum() / vocab.counts.sum()
-    vocab.save(args.out, {
-        "draft_vocab_size": vocab.draft_vocab_size, "vocab_size": vocab.vocab_size,
-        "data": [str(p) for p in args.data], "tokenizer": str(args.tokenizer),
-        "assistant_only": not args.all_tokens, "max_length": args.max_length,
-        "always_included": sorted(end_of_turn_ids(tokenizer)),
-    })
-    log.info("draft vocab %d/%d covers %.2f%% of counted tokens -> %s",
-             vocab.draft_vocab_size, vocab.vocab_size, 100 * float(covered), args.out)
+    vocab.save(
+        args.out,
+        {
+            "draft_vocab_size": vocab.draft_vocab_size,
+            "vocab_size": vocab.vocab_size,
+            "data": [str(p) for p in args.data],
+            "tokenizer": str(args.tokenizer),
+            "assistant_only": not args.all_tokens,
+            "max_length": args.max_length,
+            "always_included": sorted(end_of_turn_ids(tokenizer)),
+        },
+    )
+    log.info(
+        "draft vocab %d/%d covers %.2f%% of counted tokens -> %s",
+        vocab.draft_vocab_size,
+        vocab.vocab_size,
+        100 * float(covered),
+        args.out,
+    )
 
 
 def _sources(args):
@@ -82,36 +128,69 @@ def main(argv=None):
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("regenerate", help="answer training prompts with the target model (self-distillation)")
+    p = sub.add_parser(
+        "regenerate", help="answer training prompts with the target model (self-distillation)"
+    )
     _source_args(p, TRAIN_PRESETS)
-    p.add_argument("--out", required=True, help="conversations jsonl (appended; a rerun resumes it)")
+    p.add_argument(
+        "--out", required=True, help="conversations jsonl (appended; a rerun resumes it)"
+    )
     p.add_argument("--backend", choices=("megatron", "openai"), required=True)
-    p.add_argument("--tokenizer", default="default", help="HF tokenizer dir of the target, or 'default'")
-    p.add_argument("--checkpoint", default="default", help="megatron backend: model checkpoint or 'default'")
+    p.add_argument(
+        "--tokenizer",
+        help="HF tokenizer dir of the target, or 'default' "
+        "(default: the checkpoint's for megatron, 'default' for openai)",
+    )
+    p.add_argument(
+        "--checkpoint", default="default", help="megatron backend: model checkpoint or 'default'"
+    )
     p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="openai backend: served model name")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="openai backend: token-id prompts (exact template) or chat messages")
-    p.add_argument("--timeout", type=float, default=600.0, help="openai backend: seconds per request")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="openai backend: token-id prompts (exact template) or chat messages",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="openai backend: seconds per request"
+    )
     p.add_argument("--max-retries", type=int, default=5, help="openai backend: retries per request")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--system-prompt", help="system message for every conversation (default: the template's)")
+    p.add_argument(
+        "--system-prompt", help="system message for every conversation (default: the template's)"
+    )
     p.add_argument("--shard-index", type=int, default=0)
-    p.add_argument("--num-shards", type=int, default=1, help="shard i writes OUT with a .shardI-of-N suffix")
-    p.add_argument("--limit", type=int, help="only the first N prompts of this shard (a mix of all sources)")
+    p.add_argument(
+        "--num-shards", type=int, default=1, help="shard i writes OUT with a .shardI-of-N suffix"
+    )
+    p.add_argument(
+        "--limit", type=int, help="only the first N prompts of this shard (a mix of all sources)"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_regenerate)
 
     p = sub.add_parser("calibrate", help="build the draft vocabulary (d2t, t2d) from conversations")
     p.add_argument("--data", nargs="+", required=True, help="conversations jsonl file(s)")
-    p.add_argument("--tokenizer", default="default", help="HF tokenizer dir of the target, or 'default'")
+    p.add_argument(
+        "--tokenizer", default="default", help="HF tokenizer dir of the target, or 'default'"
+    )
     p.add_argument("--draft-vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, help="output .safetensors (d2t, t2d, counts)")
-    p.add_argument("--all-tokens", action="store_true", help="count every token, not only assistant tokens")
+    p.add_argument(
+        "--all-tokens", action="store_true", help="count every token, not only assistant tokens"
+    )
     p.add_argument("--max-length", type=int, help="truncate conversations as training does")
-    p.add_argument("--vocab-size", type=int, help="t2d length (default: the model's, from config.json)")
-    p.add_argument("--on-error", choices=ON_ERROR_CHOICES, default="skip", help="bad input rows (default: skip)")
+    p.add_argument(
+        "--vocab-size", type=int, help="t2d length (default: the model's, from config.json)"
+    )
+    p.add_argument(
+        "--on-error",
+        choices=ON_ERROR_CHOICES,
+        default="skip",
+        help="bad input rows (default: skip)",
+    )
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("sources", help="list prompt sources and check their rows")
@@ -119,7 +198,9 @@ def main(argv=None):
     p.set_defaults(func=_sources)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         args.func(args)
     except (DataError, BackendError, FileNotFoundError, ImportError) as e:

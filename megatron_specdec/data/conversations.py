@@ -114,17 +114,19 @@ def tokenize_conversation(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            messages[:i], tokenize=False, add_generation_prompt=True
+        )
         full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise DataError(
                 "the chat template does not render conversations incrementally (a rendered "
                 "prefix changes when a message is added), so assistant tokens cannot be located"
             )
-        pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
         done = full
     rest = tokenizer.apply_chat_template(messages, tokenize=False)
-    pieces.append((rest[len(done):], False))
+    pieces.append((rest[len(done) :], False))
 
     input_ids, loss_mask = [], []
     for text, is_assistant in pieces:

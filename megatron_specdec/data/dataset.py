@@ -25,7 +25,9 @@ class ConversationDataset(torch.utils.data.Dataset):
     """Rows of `seq_length` tokens: input_ids, loss_mask (float, 1 on assistant tokens),
     position_ids and segment_ids, each a tensor [seq_length]."""
 
-    def __init__(self, samples: Sequence, seq_length: int, pad_id: int, pack: bool = False, seed: int = 0):
+    def __init__(
+        self, samples: Sequence, seq_length: int, pad_id: int, pack: bool = False, seed: int = 0
+    ):
         if seq_length <= 0:
             raise DataError(f"seq_length must be positive, got {seq_length}")
         self.seq_length = seq_length
@@ -35,21 +37,32 @@ class ConversationDataset(torch.utils.data.Dataset):
         if len(self.samples) < len(truncated):
             log.warning(
                 "dropped %d of %d conversations with no assistant token within seq_length=%d",
-                len(truncated) - len(self.samples), len(truncated), seq_length,
+                len(truncated) - len(self.samples),
+                len(truncated),
+                seq_length,
             )
         if not self.samples:
             raise DataError("no conversation has an assistant token within seq_length")
         self.rows = self._pack(seed) if pack else [[i] for i in range(len(self.samples))]
 
     @classmethod
-    def from_files(cls, paths, tokenizer, seq_length: int, pack: bool = False, seed: int = 0,
-                   on_error: str = "skip"):
+    def from_files(
+        cls,
+        paths,
+        tokenizer,
+        seq_length: int,
+        pack: bool = False,
+        seed: int = 0,
+        on_error: str = "skip",
+    ):
         """Read conversation jsonl file(s) and tokenize them with the tokenizer's chat template."""
         rows = read_conversations(paths, on_error)
         if not rows:
             raise DataError(f"no usable conversation rows in {paths}")
         samples = [tokenize_conversation(tokenizer, r["conversations"], seq_length) for r in rows]
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
         return cls(samples, seq_length, pad_id, pack, seed)
 
     def _pack(self, seed: int) -> list:
@@ -83,8 +96,12 @@ class ConversationDataset(torch.utils.data.Dataset):
             segment_ids[start:end] = segment
             start = end
         position_ids[start:] = torch.arange(self.seq_length - start)
-        return {"input_ids": input_ids, "loss_mask": loss_mask,
-                "position_ids": position_ids, "segment_ids": segment_ids}
+        return {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+            "segment_ids": segment_ids,
+        }
 
 
 def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -105,12 +122,21 @@ class BatchIterator:
     positions [consumed + r * mbs, consumed + (r + 1) * mbs).
     """
 
-    def __init__(self, dataset, micro_batch_size: int, seed: int = 0, consumed_samples: int = 0,
-                 data_parallel_rank: int = 0, data_parallel_size: int = 1):
+    def __init__(
+        self,
+        dataset,
+        micro_batch_size: int,
+        seed: int = 0,
+        consumed_samples: int = 0,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+    ):
         if micro_batch_size <= 0:
             raise DataError(f"micro_batch_size must be positive, got {micro_batch_size}")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise DataError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+            raise DataError(
+                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
         if consumed_samples < 0:
             raise DataError(f"consumed_samples must be >= 0, got {consumed_samples}")
         self.dataset = dataset
@@ -126,7 +152,8 @@ class BatchIterator:
         if epoch not in self._permutations:
             self._permutations = {
                 epoch: torch.randperm(
-                    len(self.dataset), generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+                    len(self.dataset),
+                    generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch),
                 ).tolist()
             }
         return self._permutations[epoch][offset]

@@ -86,7 +86,8 @@ class DurableJsonlWriter:
         if end < len(data):
             log.warning(
                 "%s: cutting off an incomplete last line (%d bytes) left by an interrupted run",
-                self.path, len(data) - end,
+                self.path,
+                len(data) - end,
             )
             self._file.truncate(end)
             os.fsync(self._file.fileno())

@@ -26,13 +26,23 @@ class BackendError(RuntimeError):
 
 
 class OpenAIBackend:
-    def __init__(self, url: str, model: str, tokenizer, endpoint: str = "completions",
-                 timeout: float = 600.0, max_retries: int = 5, retry_delay: float = 2.0,
-                 api_key: Optional[str] = None):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        tokenizer,
+        endpoint: str = "completions",
+        timeout: float = 600.0,
+        max_retries: int = 5,
+        retry_delay: float = 2.0,
+        api_key: Optional[str] = None,
+    ):
         if endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
         base = url.rstrip("/").removesuffix("/v1")  # accept the server root or its /v1 base
-        self.url = base + ("/v1/completions" if endpoint == "completions" else "/v1/chat/completions")
+        self.url = base + (
+            "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.endpoint = endpoint
@@ -52,7 +62,9 @@ class OpenAIBackend:
         if messages is None:
             raise BackendError("the chat endpoint needs the prompts as messages")
         with ThreadPoolExecutor(max_workers=max(1, len(messages))) as pool:
-            replies = list(pool.map(lambda m: self._post({**common, "messages": m})["choices"][0], messages))
+            replies = list(
+                pool.map(lambda m: self._post({**common, "messages": m})["choices"][0], messages)
+            )
         return [self._ids((c.get("message") or {}).get("content"), c) for c in replies]
 
     def _ids(self, text, choice) -> list:
@@ -84,6 +96,13 @@ class OpenAIBackend:
                 raise BackendError(f"{self.url} answered invalid JSON: {e}") from None
             if attempt <= self.max_retries:
                 delay = self.retry_delay * 2 ** (attempt - 1)
-                log.warning("%s failed (%s); retry %d/%d in %.1f s", self.url, error, attempt, self.max_retries, delay)
+                log.warning(
+                    "%s failed (%s); retry %d/%d in %.1f s",
+                    self.url,
+                    error,
+                    attempt,
+                    self.max_retries,
+                    delay,
+                )
                 time.sleep(delay)
         raise BackendError(f"{self.url} failed after {self.max_retries + 1} attempts: {error}")

@@ -41,7 +41,9 @@ class SourceSpec:
         if self.context is not None and self.prompt is None:
             raise DataError(f"source {self.name!r}: 'context' needs 'prompt'")
         if self.split not in SPLITS:
-            raise DataError(f"source {self.name!r}: split must be one of {SPLITS}, got {self.split!r}")
+            raise DataError(
+                f"source {self.name!r}: split must be one of {SPLITS}, got {self.split!r}"
+            )
         object.__setattr__(self, "meta", tuple(self.meta))
 
 
@@ -58,16 +60,23 @@ PRESETS = {
     for spec in (
         SourceSpec("gsm8k", "gsm8k_train.jsonl", prompt="question"),
         SourceSpec(
-            "self_instruct_seed", "self_instruct_seed_tasks.jsonl",
-            prompt="instruction", context="instances.0.input",
+            "self_instruct_seed",
+            "self_instruct_seed_tasks.jsonl",
+            prompt="instruction",
+            context="instances.0.input",
         ),
         SourceSpec(
-            "self_instruct_user", "self_instruct_user_oriented.jsonl",
-            prompt="instruction", context="instances.0.input",
+            "self_instruct_user",
+            "self_instruct_user_oriented.jsonl",
+            prompt="instruction",
+            context="instances.0.input",
         ),
         SourceSpec(
-            "mt_bench", "mt_bench.jsonl",
-            turns="turns", meta=("question_id", "category"), split="eval",
+            "mt_bench",
+            "mt_bench.jsonl",
+            turns="turns",
+            meta=("question_id", "category"),
+            split="eval",
         ),
     )
 }
@@ -110,13 +119,19 @@ def _turns(spec: SourceSpec, row: dict) -> tuple:
     try:
         if spec.turns is not None:
             turns = _lookup(row, spec.turns)
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            if (
+                not isinstance(turns, list)
+                or not turns
+                or not all(isinstance(t, str) for t in turns)
+            ):
                 raise ValueError(f"field {spec.turns!r} must be a non-empty list of strings")
             turns = [t.strip() for t in turns]
         else:
             prompt = _lookup(row, spec.prompt)
             if not isinstance(prompt, str):
-                raise ValueError(f"field {spec.prompt!r} must be a string, got {type(prompt).__name__}")
+                raise ValueError(
+                    f"field {spec.prompt!r} must be a string, got {type(prompt).__name__}"
+                )
             context = ""
             if spec.context is not None:
                 try:
@@ -141,7 +156,9 @@ def read_source(spec, data_dir=None, on_error: str = "skip") -> list:
     path = Path(spec.file)
     if not path.is_absolute():
         if data_dir is None:
-            raise DataError(f"source {spec.name!r} names a relative file {spec.file!r}: pass a data dir (--data-dir)")
+            raise DataError(
+                f"source {spec.name!r} names a relative file {spec.file!r}: pass a data dir (--data-dir)"
+            )
         path = Path(data_dir) / path
     bad_rows = BadRows(on_error)
     rows = []
