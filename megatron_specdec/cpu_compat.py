@@ -66,23 +66,31 @@ def _causal_mask_patch():
     fused_softmax.get_default_causal_mask = get_default_causal_mask
 
 
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "empty_like")
+
+
 def _device_literal_patch():
-    """Pipeline schedules and p2p buffers allocate with device="cuda" literals."""
+    """Pipeline schedules and dist_checkpointing allocate with device="cuda" literals: their
+    module-level `torch` is replaced by a proxy whose tensor factories map "cuda" to the CPU."""
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver
     from megatron.core.pipeline_parallel import schedules
 
-    real_tensor = torch.tensor
-
-    class _TorchShim:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def tensor(*args, **kwargs):
-            if kwargs.get("device") == "cuda":
+    def cpu_factory(factory):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
-            return real_tensor(*args, **kwargs)
+            return factory(*args, **kwargs)
 
-    schedules.torch = _TorchShim()
+        return make
+
+    class _TorchOnCpu:
+        def __getattr__(self, name):
+            value = getattr(torch, name)
+            return cpu_factory(value) if name in _FACTORIES else value
+
+    for module in (schedules, exchange_utils, state_dict_saver):
+        module.torch = _TorchOnCpu()
 
 
 def apply():

@@ -1,0 +1,57 @@
+"""Shared fixtures. Multi-process tests run module-level workers from tests/workers.py through
+megatron_specdec.distributed.spawn (gloo on CPU), which write their results to files."""
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"../shared/data not found at {SHARED_DATA}: CI runs with ../shared beside the repo")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def default_hf_dir():
+    from megatron_specdec.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(default_hf_dir):
+    """A chat prompt of >= 64 tokens, through the model's own chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_hf_dir)
+    messages = [{"role": "user", "content": (
+        "A farmer has 17 sheep and buys 5 more each week for 6 weeks, then sells a third of "
+        "the flock. Explain step by step how many sheep remain, and check your arithmetic.")}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    assert len(ids) >= 64, len(ids)
+    return list(ids)
+
+
+def hf_reference(hf_dir, prompt_ids, new_tokens=32):
+    """Float32 HF logits over the prompt and `new_tokens` greedy tokens (eos ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return logits, out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,60 @@
+"""Module-level functions run on N local processes by megatron_specdec.distributed.spawn."""
+
+import torch
+
+from megatron_specdec import checkpoint, distributed
+from megatron_specdec.generation import StageRunner, greedy_generate
+from megatron_specdec.hf_conversion import model_from_hf
+
+
+def _writer():
+    """The rank that holds full results: last pipeline stage, first TP rank."""
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+
+def parity(tp, pp, hf_dir, prompt_ids, new_tokens, out_file):
+    """Prompt logits (KV-cache prefill) and greedy tokens of the Megatron model at TP x PP."""
+    distributed.initialize(tp, pp)
+    model, config = model_from_hf(hf_dir)
+    model.eval()
+    runner = StageRunner(model, 1, len(prompt_ids), config.vocab_size)
+    logits = runner.step(torch.tensor([prompt_ids]))
+    tokens = greedy_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
+    if _writer():
+        torch.save({"logits": logits[0], "tokens": tokens}, out_file)
+
+
+def lm_loss(model, tokens, loss_mask):
+    """Mean next-token loss of `tokens` [b, s] through megatron's pipeline schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    inputs, labels, mask = tokens[:, :-1], tokens[:, 1:], loss_mask[:, 1:].float()
+    b, s = inputs.shape
+    positions = torch.arange(s).expand(b, s)
+
+    def forward_step(data_iterator, model):
+        per_token = model(inputs, positions, None, labels=labels)
+
+        def loss_func(output):
+            loss = (output.float() * mask).sum() / mask.sum()
+            return loss, {"loss": loss.detach()}
+
+        return per_token, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
+        num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=True,
+    )
+    return losses[0]["loss"] if losses else None  # only the last stage holds the loss
+
+
+def checkpoint_loss(tp, pp, ckpt_dir, tokens, out_file):
+    """Load a checkpoint at TP x PP and compute the loss on a fixed batch."""
+    distributed.initialize(tp, pp)
+    model, _, _ = checkpoint.load_model_for_inference(ckpt_dir)
+    with torch.no_grad():
+        loss = lm_loss(model, tokens, torch.ones_like(tokens))
+    if _writer():
+        torch.save(loss, out_file)
