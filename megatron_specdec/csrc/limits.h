@@ -16,6 +16,7 @@ enum ValueError : int {
   kBadLogit = 1,      // NaN or +inf in a target logit (after temperature)
   kEmptyRow = 2,      // every logit of a row is -inf
   kBadDraftProb = 3,  // NaN, inf or negative draft probability
+  kBadId = 4,         // a token id outside [0, V) (the launchers check ids first)
 };
 
 }  // namespace specdec

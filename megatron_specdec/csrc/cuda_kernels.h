@@ -1,0 +1,59 @@
+// Launchers of the CUDA acceptance kernels, callable without torch headers.
+// The kernels live in the .cu files (CUDA headers only); ops_cuda.cpp wraps them
+// as torch ops. Pointers are device pointers to contiguous tensors; `error` is a
+// device int set to a ValueError code (limits.h) when a value read is invalid.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace specdec {
+namespace cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+struct Sampling {
+  double temperature;
+  int64_t top_k;  // 0: off
+  double top_p;   // 1: off
+};
+
+// Shapes shared by the chain ops: B requests, K drafts, V vocabulary.
+struct ChainShape {
+  int64_t batch, k, vocab;
+};
+
+void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
+                         ChainShape shape, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
+
+void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, const int64_t* lens, ChainShape shape,
+                             int64_t* tokens, int64_t* counts, cudaStream_t stream);
+
+// scratch: batch * vocab doubles.
+void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
+                             const void* draft_probs, DType probs_dtype, const float* uniforms, Sampling sampling,
+                             ChainShape shape, double* scratch, int64_t* tokens, int64_t* counts, int* error,
+                             cudaStream_t stream);
+
+void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
+                    double temperature, double eps, double alpha, ChainShape shape, int64_t* tokens, int64_t* counts,
+                    int* error, cudaStream_t stream);
+
+// Shapes of the tree ops: B requests, N nodes, V vocabulary, outputs sized by max_depth.
+struct TreeShape {
+  int64_t batch, nodes, vocab, max_depth;
+};
+
+void launch_tree_greedy(const int64_t* ids, const int64_t* parents, const void* logits, DType logits_dtype,
+                        const int64_t* num_nodes, TreeShape shape, int64_t* tokens, int64_t* counts, int64_t* path,
+                        int* error, cudaStream_t stream);
+
+// scratch: batch * vocab doubles.
+void launch_tree_stochastic(const int64_t* ids, const int64_t* parents, const void* logits, DType logits_dtype,
+                            const int64_t* num_nodes, const void* draft_probs, DType probs_dtype,
+                            const float* uniforms, Sampling sampling, TreeShape shape, double* scratch,
+                            int64_t* tokens, int64_t* counts, int64_t* path, int* error, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace specdec

@@ -1,0 +1,114 @@
+"""CUDA acceptance ops: every .cu file compiles with nvcc (even with a CPU torch), and on
+a GPU the CUDA ops return exactly what the reference returns."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from megatron_specdec.acceptance import reference, validation
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_specdec", "csrc")
+CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+
+
+def test_there_are_cuda_kernels():
+    names = {os.path.basename(f) for f in CU_FILES}
+    assert {"chain_verify.cu", "tree_verify.cu", "typical_verify.cu"} <= names
+
+
+def test_python_limits_match_the_kernels():
+    limits = open(os.path.join(CSRC, "limits.h")).read()
+    assert int(re.search(r"kMaxDraftLen = (\d+);", limits).group(1)) == validation.MAX_DRAFT_LEN
+    assert int(re.search(r"kMaxTreeNodes = (\d+);", limits).group(1)) == validation.MAX_TREE_NODES
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile-check the .cu files")
+@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
+def test_cu_file_compiles(source, tmp_path):
+    obj = tmp_path / (os.path.basename(source) + ".o")
+    cmd = ["nvcc", "-std=c++17", "-Xcompiler", "-Wall", "-I", CSRC, "-c", source, "-o", str(obj)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert obj.stat().st_size > 0
+    assert "warning" not in proc.stderr.lower(), proc.stderr
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture
+def cuda_ops():
+    from megatron_specdec.acceptance import extension_available
+
+    if not extension_available("cuda"):
+        pytest.fail("a CUDA device is present but the extension was built without CUDA kernels")
+    return torch.ops.megatron_specdec
+
+
+def _same(fused, ref):
+    for a, b in zip(fused, ref):
+        assert torch.equal(a.cpu(), b.cpu()), f"cuda\n{a}\nreference\n{b}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("vocab", [1, 300, 49152])
+def test_cuda_chain_ops_match_reference(cuda_ops, dtype, vocab):
+    from tests.test_acceptance_equivalence import chain_case
+
+    gen = torch.Generator().manual_seed(21)
+    draft, logits, lens, q, u = chain_case(gen, 24, 6, vocab, dtype, accept_bias=3.0 + (vocab > 1000) * 9)
+    dev = [t.cuda() for t in (draft, logits, lens, q, u)]
+    _same(cuda_ops.greedy_chain_verify(*dev[:3]), reference.greedy_chain_verify(draft, logits, lens))
+    ids = logits.argmax(-1)
+    _same(cuda_ops.greedy_chain_verify_ids(dev[0], ids.cuda(), dev[2]),
+          reference.greedy_chain_verify_ids(draft, ids, lens))
+    for with_q in (False, True):
+        for params in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8), (0.9, 20, 0.9)]:
+            args = (draft, logits, lens, q if with_q else None, u, *params)
+            dargs = (dev[0], dev[1], dev[2], dev[3] if with_q else None, dev[4], *params)
+            _same(cuda_ops.stochastic_chain_verify(*dargs), reference.stochastic_chain_verify(*args))
+    _same(cuda_ops.typical_verify(*dev[:3], 0.8, 0.09, 0.3), reference.typical_verify(draft, logits, lens, 0.8,
+                                                                                     0.09, 0.3))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("vocab", [1, 9, 49152])
+def test_cuda_tree_ops_match_reference(cuda_ops, vocab):
+    from tests.test_acceptance_equivalence import tree_case
+
+    gen = torch.Generator().manual_seed(22)
+    ids, parents, logits, nodes, q, u, depth = tree_case(gen, 16, 14, vocab)
+    dev = [t.cuda() for t in (ids, parents, logits, nodes, q, u)]
+    _same(cuda_ops.tree_verify_greedy(dev[0], dev[1], dev[2], dev[3], depth),
+          reference.tree_verify_greedy(ids, parents, logits, nodes, depth))
+    for with_q in (False, True):
+        for params in [(1.0, 0, 1.0), (0.7, 3, 0.9)]:
+            args = (ids, parents, logits, nodes, q if with_q else None, u, depth, *params)
+            dargs = (dev[0], dev[1], dev[2], dev[3], dev[4] if with_q else None, dev[5], depth, *params)
+            _same(cuda_ops.tree_verify_stochastic(*dargs), reference.tree_verify_stochastic(*args))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_value_errors(cuda_ops):
+    draft = torch.zeros(2, 3, dtype=torch.long, device="cuda")
+    lens = torch.full((2,), 3, device="cuda")
+    logits = torch.zeros(2, 4, 5, device="cuda")
+    logits[0, 0, 1] = float("nan")
+    u = torch.rand(2, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="NaN"):
+        cuda_ops.stochastic_chain_verify(draft, logits, lens, None, u, 1.0, 0, 1.0)
+    with pytest.raises(RuntimeError, match="NaN"):
+        cuda_ops.greedy_chain_verify(draft, logits, lens)
+    probs = torch.full((2, 3, 5), -1.0, device="cuda")
+    with pytest.raises(RuntimeError, match="draft_probs must be finite and >= 0"):
+        cuda_ops.stochastic_chain_verify(draft, torch.zeros(2, 4, 5, device="cuda"), lens, probs, u, 1.0, 0, 1.0)
+    with pytest.raises(RuntimeError, match=r"draft_lens\[0\] must be in \[0, 3\]"):
+        cuda_ops.greedy_chain_verify(draft, logits, torch.tensor([4, 0], device="cuda"))
