@@ -1,0 +1,92 @@
+"""`megatron_specdec.convert(model, algo, config)`: a GPTModel -> a SpeculativeGPTModel.
+
+The draft module is built on the last pipeline stage of the current TP/PP layout and
+initialised (EAGLE3: megatron init, zero padded query groups; Medusa: identity blocks and
+lm_heads copied from the base lm_head); the base is frozen. `load_speculative` rebuilds a
+speculative model from a checkpoint written by `save_speculative`.
+"""
+
+from megatron_specdec import checkpoint, families, spec_config
+from megatron_specdec.distributed import device
+from megatron_specdec.spec_model import SpeculativeGPTModel
+
+
+def _base_lm_head(model):
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def build_draft(model, cfg, vocab_size: int, real_query_groups: int):
+    """This stage's draft module (None before the last stage)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_specdec.layers import specs
+    from megatron_specdec.layers.medusa import MedusaHeads
+
+    if not model.post_process:
+        return None
+    config = model.config
+    if cfg.algo == "medusa":
+        draft = MedusaHeads(config, cfg.medusa_num_heads, cfg.medusa_num_layers, vocab_size,
+                            model.vocab_size)
+        draft.init_lm_heads(_base_lm_head(model))
+    else:
+        draft = build_module(
+            specs.eagle3_module_spec(cfg, qk_layernorm=config.qk_layernorm), config=config,
+            num_aux=len(cfg.aux_layer_ids), draft_vocab_size=cfg.draft_vocab_size,
+            padded_draft_vocab_size=cfg.padded_draft_vocab_size, vocab_size=vocab_size,
+        )
+        draft.zero_padded_query_groups(real_query_groups)
+    return draft.to(device())
+
+
+def attach(model, cfg, hf_config=None) -> SpeculativeGPTModel:
+    """Wrap `model` with the draft described by an already validated config."""
+    vocab_size = hf_config.vocab_size if hf_config is not None else model.vocab_size
+    groups = (families.query_groups(hf_config) if hf_config is not None
+              else model.config.num_query_groups)
+    return SpeculativeGPTModel(model, cfg, build_draft(model, cfg, vocab_size, groups), vocab_size)
+
+
+def convert(model, algo, config=None, hf_config=None) -> SpeculativeGPTModel:
+    """The speculative model for this rank's GPTModel stage.
+
+    algo: "eagle3" | "medusa" with a config dict, or ModelOpt's `[(mode, config)]` list
+    (config then omitted). Keys: see spec_config (unknown keys are refused by name).
+    hf_config: the base's HF config; needed when the model was built with a padded
+    vocabulary or padded query groups (model_provider pads both for TP), so that padded
+    ids are masked and padded groups start at zero.
+    """
+    vocab_size = hf_config.vocab_size if hf_config is not None else model.vocab_size
+    cfg = spec_config.parse(algo, config, model.config.num_layers, vocab_size)
+    return attach(model, cfg, hf_config)
+
+
+def speculative_meta(base_meta: dict, cfg) -> dict:
+    meta = dict(base_meta)
+    meta["draft"] = spec_config.to_dict(cfg)
+    return meta
+
+
+def load_speculative(path, dtype=None, transformer_impl=None):
+    """(speculative model, hf_config, meta) of a speculative checkpoint at the current TP/PP."""
+    from megatron_specdec.model_provider import build_model
+
+    meta = checkpoint.read_meta(path)
+    if "draft" not in meta:
+        raise checkpoint.CheckpointError(f"{path} holds no draft module (not a speculative checkpoint)")
+    hf_config = checkpoint.hf_config_from_meta(meta)
+    dtype = dtype or checkpoint.dtype_from_name(meta["dtype"])
+    base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
+                       transformer_impl=transformer_impl or meta["transformer_impl"])
+    model = attach(base, spec_config.from_dict(meta["draft"]), hf_config)
+    checkpoint.load_checkpoint(model, path)
+    return model, hf_config, meta
+
+
+def save_speculative(model, path, base_meta: dict, tokenizer_dir=None, overwrite=False):
+    """Collectively save a speculative model (base + draft) as one dist checkpoint."""
+    return checkpoint.save_checkpoint(
+        model, path, speculative_meta(base_meta, model.spec_config), tokenizer_dir, overwrite
+    )

@@ -1,0 +1,150 @@
+"""The EAGLE3 draft module: fc over the captured base states, draft layers, norm, lm_head.
+
+Lives on the last pipeline stage. `fc` (n_aux*h -> h, no bias) is replicated across TP;
+attention and MLP are megatron-core Column/RowParallel layers; `lm_head` is ColumnParallel
+over the draft vocabulary, padded to a multiple of 128 (independent of TP, so checkpoints
+reshard) with padded logits masked to -inf. `d2t`/`t2d` are persistent buffers, so they
+travel in `sharded_state_dict` (replicated).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_specdec.layers.sharded import ShardedModuleList
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+
+@dataclass
+class Eagle3ModuleSubmodules:
+    layers: List[ModuleSpec] = field(default_factory=list)
+    final_layernorm: object = IdentityOp
+
+
+def ttt_attention_mask(base_mask: Optional[Tensor], seq_len: int, step: int,
+                       device=None) -> Tensor:
+    """Mask [b|1, 1, s, (step+1)*s] (True = may not attend) of training-time-test step `step`.
+
+    Step k's query at position u continues the chain that started from the real prefix
+    ending at u-k: it sees step-0 keys the base mask allows for row u-k, and, for each
+    earlier step j >= 1, the single key of the same chain at position u-k+j.
+    """
+    s = seq_len
+    if base_mask is None:
+        base_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)[None, None]
+    rows = torch.arange(s, device=base_mask.device) - step
+    prefix = base_mask[..., rows.clamp(min=0), :] | (rows < 0)[:, None]
+    blocks = [prefix]
+    u = torch.arange(s, device=base_mask.device)
+    for j in range(1, step + 1):
+        diag = u[None, :] != (u - step + j)[:, None]
+        blocks.append(diag.expand(*prefix.shape[:-2], s, s))
+    return torch.cat(blocks, dim=-1)
+
+
+def shift_right(hidden: Tensor) -> Tensor:
+    """Position u takes position u-1's state (position 0 gets zeros: it is never scored)."""
+    return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+
+
+class Eagle3Module(MegatronModule):
+    def __init__(self, config, submodules: Eagle3ModuleSubmodules, num_aux: int,
+                 draft_vocab_size: int, padded_draft_vocab_size: int, vocab_size: int):
+        super().__init__(config=config)
+        h = config.hidden_size
+        self.draft_vocab_size = draft_vocab_size
+        self.fc = torch.nn.Linear(num_aux * h, h, bias=False, dtype=config.params_dtype)
+        config.init_method(self.fc.weight.data)
+        self.layers = ShardedModuleList(
+            build_module(spec, config=config, layer_number=i + 1)
+            for i, spec in enumerate(submodules.layers)
+        )
+        self.final_layernorm = build_module(
+            submodules.final_layernorm, config=config, hidden_size=h, eps=config.layernorm_epsilon
+        )
+        self.lm_head = ColumnParallelLinear(
+            h, padded_draft_vocab_size, config=config, init_method=config.init_method,
+            bias=False, gather_output=False,
+        )
+        # Identity draft vocabulary until calibrated: draft id d is target id d.
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        per_rank = padded_draft_vocab_size // tp
+        self.vocab_offset = rank * per_rank
+        self.register_buffer(
+            "_padded_ids",
+            torch.arange(self.vocab_offset, self.vocab_offset + per_rank) >= draft_vocab_size,
+            persistent=False,
+        )
+
+    def target_ids(self) -> Tensor:
+        """Target id of every draft id, int64 [draft_vocab_size]."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, d2t: Tensor, t2d: Tensor):
+        target = torch.arange(d2t.numel()) + d2t.cpu()
+        if d2t.numel() != self.d2t.numel() or t2d.numel() != self.t2d.numel():
+            raise ValueError(
+                f"draft vocabulary of {d2t.numel()} over {t2d.numel()} ids does not fit a draft "
+                f"module of {self.d2t.numel()} over {self.t2d.numel()}"
+            )
+        if not torch.equal(t2d.cpu().nonzero().flatten(), target):
+            raise ValueError("d2t and t2d disagree (t2d must mark exactly draft_id + d2t[draft_id])")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def project(self, aux: Tensor) -> Tensor:
+        """Captured base states [s, b, n_aux*h] -> the draft's hidden input [s, b, h]."""
+        return self.fc(aux)
+
+    def step(self, embeds: Tensor, hidden: Tensor, rotary_pos_emb: Optional[Tensor],
+             attention_mask: Tensor, kv_blocks: List[list]):
+        """One draft step. embeds: embedding of the token after each position [s, b, h];
+        hidden: the draft's hidden input [s, b, h]; kv_blocks: one list per draft layer
+        (this step's keys/values are appended). Returns (hidden_out [s, b, h], logits over
+        this TP rank's slice of the padded draft vocabulary [s, b, Dp/TP], padded = -inf)."""
+        for layer, blocks in zip(self.layers, kv_blocks):
+            hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
+        logits, _ = self.lm_head(self.final_layernorm(hidden))
+        return hidden, logits.masked_fill(self._padded_ids, float("-inf"))
+
+    def training_time_test(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
+                           base_mask: Optional[Tensor], ttt_steps: int) -> List[Tensor]:
+        """Draft logits of every unrolled step; step k is fed step k-1's output shifted by one
+        position (see `ttt_attention_mask`)."""
+        hidden = self.project(aux)
+        kv_blocks = [[] for _ in self.layers]
+        logits = []
+        for k in range(ttt_steps):
+            if k:
+                hidden = shift_right(hidden)
+            mask = ttt_attention_mask(base_mask, hidden.shape[0], k, hidden.device)
+            hidden, step_logits = self.step(embeds, hidden, rotary_pos_emb, mask, kv_blocks)
+            logits.append(step_logits)
+        return logits
+
+    @torch.no_grad()
+    def zero_padded_query_groups(self, real_groups: int):
+        """Query groups added so TP divides them must hold zeros (they then stay zero in
+        training and are dropped on export): zero their q/k/v rows and o_proj columns."""
+        for layer in self.layers:
+            attn = layer.self_attention
+            groups_here = attn.num_query_groups_per_partition
+            first = ps.get_tensor_model_parallel_rank() * groups_here
+            per_group = attn.linear_qkv.weight.shape[0] // groups_here
+            heads_per_group = attn.num_attention_heads_per_partition // groups_here
+            for g in range(groups_here):
+                if first + g >= real_groups:
+                    attn.linear_qkv.weight[g * per_group:(g + 1) * per_group] = 0
+                    cols = heads_per_group * attn.hidden_size_per_attention_head
+                    attn.linear_proj.weight[:, g * cols:(g + 1) * cols] = 0

@@ -1,0 +1,193 @@
+"""Vocab-parallel draft losses: no rank ever materialises a full-vocabulary [tokens, V] tensor.
+
+EAGLE3's target is the base distribution restricted to the draft vocabulary. Each TP rank
+holds base logits for a slice of the target vocabulary and draft logits for a slice of the
+draft vocabulary; the draft ids whose targets a rank holds form one contiguous range
+(draft ids are sorted by target id), so a single all-to-all moves every target column to
+the rank that holds the matching draft column. Softmax normalisers and the per-token sums
+are then combined with all-reduces, and the backward pass is the local `q - p`.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+
+def _tp():
+    group = ps.get_tensor_model_parallel_group()
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_reduce(t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+    group, size, _ = _tp()
+    if size > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+@torch.no_grad()
+def draft_target_logits(base_logits: Tensor, target_ids: Tensor, padded_draft_vocab: int) -> Tensor:
+    """Base logits [N, Vp/TP] (this rank's target slice) -> logits of the draft vocabulary's
+    targets in the draft lm_head layout [N, Dp/TP] (padded draft ids = -inf)."""
+    group, size, rank = _tp()
+    n, v_local = base_logits.shape
+    d_local = padded_draft_vocab // size
+    bounds = torch.searchsorted(target_ids, torch.arange(size + 1, device=target_ids.device) * v_local)
+    mine = slice(int(bounds[rank]), int(bounds[rank + 1]))  # draft ids whose targets I hold
+    columns = base_logits[:, target_ids[mine] - rank * v_local].t().contiguous()  # [n_mine, N]
+    out = base_logits.new_full((d_local, n), float("-inf"))
+    if size == 1:
+        out[: columns.shape[0]] = columns
+        return out.t()
+    d_starts = [r * d_local for r in range(size + 1)]
+
+    def overlap(a0, a1, b0, b1):
+        return max(0, min(a1, b1) - max(a0, b0))
+
+    send = [overlap(mine.start, mine.stop, d_starts[r], d_starts[r + 1]) for r in range(size)]
+    recv = [overlap(int(bounds[q]), int(bounds[q + 1]), d_starts[rank], d_starts[rank + 1])
+            for q in range(size)]
+    received = columns.new_empty(sum(recv), n)
+    dist.all_to_all_single(received, columns, output_split_sizes=recv, input_split_sizes=send,
+                           group=group)
+    out[: received.shape[0]] = received  # sources arrive in draft-id order
+    return out.t()
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """-sum_d p_d log q_d per token, both distributions split over TP on the same columns."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target_logits: Tensor):
+        logits = logits.float()
+        target_logits = target_logits.float()
+        q_max = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
+        q_exp = torch.exp(logits - q_max[:, None])
+        q_sum = _all_reduce(q_exp.sum(-1))
+        log_q = logits - q_max[:, None] - torch.log(q_sum)[:, None]
+        p_max = _all_reduce(target_logits.max(-1).values, dist.ReduceOp.MAX)
+        p = torch.exp(target_logits - p_max[:, None])
+        p /= _all_reduce(p.sum(-1))[:, None]
+        loss = _all_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1))
+        ctx.save_for_backward(q_exp / q_sum[:, None], p)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, p = ctx.saved_tensors
+        return (q - p) * grad[:, None], None
+
+
+def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
+    """Per-token soft cross-entropy [N] of vocab-parallel logits against vocab-parallel target
+    logits (softmax taken over the whole, split, vocabulary)."""
+    return _SoftCrossEntropy.apply(logits, target_logits)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
+    """Global argmax [N] of logits split over TP (this rank's slice starts at `offset`);
+    ties go to the lowest id."""
+    group, size, _ = _tp()
+    values, index = logits.max(-1)
+    if size == 1:
+        return index + offset
+    both = torch.stack([values.float(), (index + offset).float()])
+    gathered = [torch.empty_like(both) for _ in range(size)]
+    dist.all_gather(gathered, both, group=group)
+    stacked = torch.stack(gathered)  # [TP, 2, N]
+    best = stacked[:, 0].argmax(0)  # first rank with the max = lowest id
+    return stacked[:, 1].gather(0, best[None])[0].long()
+
+
+def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
+    """Token-aligned mask [b, s] -> [s, b] mask of position t scoring token t+shift."""
+    b, s = loss_mask.shape
+    out = torch.zeros(s, b, dtype=torch.float32, device=loss_mask.device)
+    if shift < s:
+        out[: s - shift] = loss_mask[:, shift:].t().float()
+    return out
+
+
+def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tensor,
+                target_ids: Tensor, padded_draft_vocab: int, draft_offset: int, base_offset: int,
+                vocab_size: int, decay: float) -> dict:
+    """Training-time-test loss. step_logits[k]: [s, b, Dp/TP]; base_logits [s, b, Vp/TP];
+    loss_mask [b, s], token aligned (1 = token t is a target).
+
+    The draft output at position u scores token u+2 against the base distribution at u+1;
+    step k only scores positions u >= k (its chain starts from the real prefix ending at u-k).
+    """
+    s, b, _ = base_logits.shape
+    following = torch.cat([base_logits[1:], base_logits[-1:]])  # base at u+1
+    flat = following.reshape(s * b, -1)
+    target = draft_target_logits(flat, target_ids, padded_draft_vocab)
+    with torch.no_grad():
+        padded = torch.arange(base_offset, base_offset + flat.shape[1], device=flat.device)
+        base_top = vocab_parallel_argmax(flat.masked_fill(padded >= vocab_size, float("-inf")),
+                                         base_offset)
+    mask0 = _shift_mask(loss_mask, 2)
+    total = 0.0
+    stats = {"step_loss": [], "step_correct": [], "step_count": []}
+    for k, logits in enumerate(step_logits):
+        mask = mask0.clone()
+        mask[:k] = 0
+        mask = mask.reshape(-1)
+        ce = soft_cross_entropy(logits.reshape(s * b, -1), target)
+        step_sum = (ce * mask).sum()
+        total = total + decay ** k * step_sum
+        with torch.no_grad():
+            draft_top = vocab_parallel_argmax(logits.reshape(s * b, -1), draft_offset)
+            hit = (target_ids[draft_top] == base_top).float()
+        stats["step_loss"].append(step_sum.detach())
+        stats["step_correct"].append((hit * mask).sum())
+        stats["step_count"].append(mask.sum())
+    return _pack(total, mask0.sum(), stats)
+
+
+def medusa_loss(head_logits: List[Tensor], input_ids: Tensor, loss_mask: Tensor,
+                weights: List[float], vocab_offset: int) -> dict:
+    """Head i at position t predicts token t+2+i (hard cross-entropy, vocab-parallel)."""
+    s, b, _ = head_logits[0].shape
+    total = 0.0
+    stats = {"step_loss": [], "step_correct": [], "step_count": []}
+    for i, (logits, weight) in enumerate(zip(head_logits, weights)):
+        shift = 2 + i
+        labels = torch.zeros(s, b, dtype=torch.long, device=input_ids.device)
+        if shift < s:
+            labels[: s - shift] = input_ids[:, shift:].t()
+        mask = _shift_mask(loss_mask, shift)
+        ce = vocab_parallel_cross_entropy(logits.float(), labels)
+        head_sum = (ce * mask).sum()
+        total = total + weight * head_sum
+        with torch.no_grad():
+            top = vocab_parallel_argmax(logits.reshape(s * b, -1), vocab_offset).view(s, b)
+        stats["step_loss"].append(head_sum.detach())
+        stats["step_correct"].append(((top == labels).float() * mask).sum())
+        stats["step_count"].append(mask.sum())
+    return _pack(total, _shift_mask(loss_mask, 2).sum(), stats)
+
+
+def _pack(total, num_tokens, stats) -> dict:
+    out = {"loss_sum": total, "num_tokens": num_tokens}
+    out.update({k: torch.stack(v) for k, v in stats.items()})
+    return out
+
+
+def loss_func(output: dict):
+    """Megatron schedule loss function: (loss_sum, num_tokens, report). The schedule divides
+    by num_tokens (tokens scored at step 0 / head 0) and the number of micro-batches."""
+    # Copies: the schedule scales the returned loss in place.
+    report = {k: v.detach().clone() for k, v in output.items()}
+    return output["loss_sum"], output["num_tokens"].int(), report
+
+
+def accuracies(report: dict) -> Optional[List[float]]:
+    """Top-1 accuracy of each step / head from a loss report."""
+    count = report["step_count"].clamp(min=1)
+    return (report["step_correct"] / count).tolist()

@@ -1,0 +1,199 @@
+"""The speculative GPT model: a frozen megatron-core GPTModel plus a draft module.
+
+`SpeculativeGPTModel` owns the base GPTModel unchanged (`self.base`) and, on the last
+pipeline stage, the draft module (`self.eagle3` or `self.medusa`). Its forward runs the base
+stage layer by layer (aux_capture) so captured states reach the draft through the pipeline
+schedule, then on the last stage computes the draft's vocab-parallel loss.
+
+Checkpoint keys of the base are exactly a base checkpoint's (embedding.*, decoder.*,
+output_layer.*); the draft adds `eagle3.*` or `medusa.*`. A base checkpoint therefore loads
+into the base half, and a speculative checkpoint reshards like any dist checkpoint.
+"""
+
+from functools import partial
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_specdec.layers import aux_capture, losses
+
+
+class SpeculativeGPTModel(MegatronModule):
+    def __init__(self, base, spec_cfg, draft: Optional[MegatronModule], vocab_size: int):
+        super().__init__(config=base.config)
+        self.base = base
+        self.spec_config = spec_cfg
+        self.algo = spec_cfg.algo
+        self.vocab_size = vocab_size
+        self.model_type = base.model_type
+        self.pre_process = base.pre_process
+        self.post_process = base.post_process
+        self.aux_layer_ids = spec_cfg.aux_layer_ids
+        self.carries_embeds = self.algo == "eagle3"
+        if draft is not None:
+            self.add_module(self.algo, draft)
+        self.input_tensor = None
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def draft(self) -> Optional[MegatronModule]:
+        """The draft module (last pipeline stage only)."""
+        return getattr(self, self.algo, None)
+
+    # ---- pipeline plumbing -------------------------------------------------------------
+    def set_input_tensor(self, input_tensor):
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    @property
+    def num_slots(self) -> int:
+        return aux_capture.num_slots(self.carries_embeds, len(self.aux_layer_ids))
+
+    def pipeline_seq_length(self, seq_length: int) -> int:
+        """The `seq_length` to give the pipeline schedule: the stage tensor stacks slots."""
+        return self.num_slots * seq_length
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- forward ----------------------------------------------------------------------
+    def rotary_pos_emb(self, seq_len: int) -> Tensor:
+        return self.base.rotary_pos_emb(seq_len)
+
+    def run_base(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None):
+        """This stage of the frozen base. Returns the StageState after its layers."""
+        base = self.base
+        s = input_ids.shape[1]
+        if self.pre_process:
+            with torch.no_grad():
+                embeds = base.embedding(input_ids=input_ids, position_ids=None)
+            state = aux_capture.StageState(
+                embeds, embeds if self.carries_embeds else None, [None] * len(self.aux_layer_ids)
+            )
+        else:
+            first = base.decoder.layers[0].layer_number - 1 if len(base.decoder.layers) else 0
+            state = aux_capture.StageState.unpack(
+                self.input_tensor, self.carries_embeds, len(self.aux_layer_ids),
+                [i < first for i in self.aux_layer_ids],
+            )
+        return aux_capture.run_layers(
+            base.decoder.layers, state, self.aux_layer_ids, attention_mask, self.rotary_pos_emb(s)
+        )
+
+    @torch.no_grad()
+    def base_head(self, residual: Tensor):
+        """(final hidden [s, b, h], this rank's base logits [s, b, Vp/TP]) on the last stage."""
+        base = self.base
+        hidden = base.decoder.final_layernorm(residual)
+        weight = base.shared_embedding_or_output_weight() if base.share_embeddings_and_output_weights else None
+        logits, _ = base.output_layer(hidden, weight=weight)
+        return hidden, logits
+
+    def forward(self, input_ids: Tensor, loss_mask: Tensor, attention_mask: Optional[Tensor] = None):
+        """input_ids, loss_mask [b, s] (loss_mask token aligned: 1 = token t is a target);
+        attention_mask: optional [b|1, 1, s, s] bool, True = may not attend (default causal).
+        Returns the stage tensor on earlier stages, the loss dict on the last."""
+        state = self.run_base(input_ids, attention_mask)
+        if not self.post_process:
+            return self._link(state.pack())
+        out = self._draft_loss(state, input_ids, loss_mask, attention_mask)
+        out["loss_sum"] = self._link(out["loss_sum"])
+        return out
+
+    def _link(self, out: Tensor) -> Tensor:
+        return out if self.pre_process else aux_capture.link_to_input(out, self.input_tensor)
+
+    def _draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
+        hidden, base_logits = self.base_head(state.residual)
+        vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
+        if self.algo == "medusa":
+            return losses.medusa_loss(self.draft(hidden), input_ids, loss_mask,
+                                      self.spec_config.medusa_head_weights, vocab_offset)
+        cfg = self.spec_config
+        aux = torch.cat(state.aux, dim=-1)
+        next_embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])  # token u+1 at u
+        step_logits = self.draft.training_time_test(
+            aux, next_embeds, self.rotary_pos_emb(input_ids.shape[1]), attention_mask,
+            cfg.ttt_steps,
+        )
+        return losses.eagle3_loss(
+            step_logits, base_logits, loss_mask, self.draft.target_ids(),
+            cfg.padded_draft_vocab_size, self.draft.vocab_offset, vocab_offset,
+            self.vocab_size, cfg.ttt_decay,
+        )
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Base keys as in a base checkpoint; draft keys under its algorithm name."""
+        out = {
+            f"base.{k}": v
+            for k, v in self.base.sharded_state_dict(prefix, sharded_offsets, metadata).items()
+        }
+        if self.draft is not None:
+            out.update(self.draft.sharded_state_dict(f"{prefix}{self.algo}.", sharded_offsets,
+                                                     metadata))
+        return out
+
+
+def forward_step(data_iterator, model):
+    """Megatron `forward_step_func`: batches are dicts with input_ids and loss_mask [b, s]
+    and optionally attention_mask."""
+    batch = next(data_iterator)
+    return model(batch["input_ids"], batch["loss_mask"], batch.get("attention_mask")), losses.loss_func
+
+
+def _cpu_schedule_literals():
+    """The schedules also allocate `torch.zeros(..., device="cuda")`; cpu_compat's shim
+    covers only `torch.tensor`. Extend it here until cpu_compat does (asked for in issue 3)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    shim = schedules.torch
+    if torch.cuda.is_available() or shim is torch or "zeros" in type(shim).__dict__:
+        return
+
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+    type(shim).zeros = staticmethod(zeros)
+
+
+def forward_backward(model, batches, forward_only: bool = False):
+    """Run `batches` (a list of micro-batches) through megatron's pipeline schedule.
+
+    Returns the loss reports of the last stage (empty elsewhere). Gradients accumulate in
+    the draft parameters' `.grad`."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _cpu_schedule_literals()
+    b, s = batches[0]["input_ids"].shape
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=model.pipeline_seq_length(s),
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )
+
+
+def reduce_reports(reports) -> dict:
+    """Sum micro-batch reports: mean loss per scored token and per-step top-1 accuracy."""
+    if not reports:
+        return {}
+    total = {k: sum(r[k] for r in reports) for k in reports[0]}
+    tokens = float(total["num_tokens"]) or 1.0
+    return {
+        "loss": float(total["loss_sum"]) / tokens,
+        "step_loss": (total["step_loss"] / total["step_count"].clamp(min=1)).tolist(),
+        "accuracy": losses.accuracies(total),
+        "num_tokens": int(total["num_tokens"]),
+    }
