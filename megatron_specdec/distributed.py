@@ -33,15 +33,14 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234):
 
     cpu_compat.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        rank = int(os.environ.get("RANK", "0"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend(), rank=rank, world_size=world, timeout=timedelta(minutes=30)
-        )
+        timeout = timedelta(minutes=30)
+        if "RANK" in os.environ:  # torchrun or `spawn`: rendezvous from the environment
+            dist.init_process_group(backend(), timeout=timeout)
+        else:  # a plain single process: a private address, leaving os.environ untouched
+            dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(

@@ -52,6 +52,26 @@ def read_hf_state(hf_dir, dtype=None) -> dict:
     return state
 
 
+def check_hf_state(hf_config, state: dict, hf_dir):
+    """Every tensor the architecture defines is present with its shape (checked against the
+    transformers model built on the meta device), named with file, expected and found."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    for name, shape in expected.items():
+        if name not in state:
+            raise mapping.WeightMappingError(
+                f"tensor {name!r} is missing from {hf_dir} (expected shape {shape})")
+        if tuple(state[name].shape) != shape:
+            raise mapping.WeightMappingError(
+                f"tensor {name!r} in {hf_dir}: expected shape {shape}, "
+                f"found {tuple(state[name].shape)}")
+
+
 def weight_rules(hf_config):
     return llama.rules(bool(getattr(hf_config, "tie_word_embeddings", False)))
 
@@ -80,8 +100,10 @@ def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
     """This rank's shard of a Megatron GPTModel holding the weights of an HF directory."""
     hf_dir = resolve_model_path(hf_dir)
     config = read_hf_config(hf_dir)
+    state = read_hf_state(hf_dir, dtype)
+    check_hf_state(config, state, hf_dir)
     model = build_model(config, dtype=dtype, transformer_impl=transformer_impl)
-    load_hf_into_model(model, config, read_hf_state(hf_dir, dtype))
+    load_hf_into_model(model, config, state)
     return model, config
 
 
