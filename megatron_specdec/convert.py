@@ -3,8 +3,11 @@
 The draft module is built on the last pipeline stage of the current TP/PP layout and
 initialised (EAGLE3: megatron init, zero padded query groups; Medusa: identity blocks and
 lm_heads copied from the base lm_head); the base is frozen. `load_speculative` rebuilds a
-speculative model from a checkpoint written by `save_speculative`.
+speculative model from a checkpoint written by `save_speculative`; `convert_checkpoint` turns
+a base checkpoint into a speculative one (checkpoint_tools/convert_speculative.py).
 """
+
+from pathlib import Path
 
 from megatron_specdec import checkpoint, families, spec_config
 from megatron_specdec.distributed import device
@@ -90,3 +93,76 @@ def save_speculative(model, path, base_meta: dict, tokenizer_dir=None, overwrite
     return checkpoint.save_checkpoint(
         model, path, speculative_meta(base_meta, model.spec_config), tokenizer_dir, overwrite
     )
+
+
+def _base_checkpoint_meta(path) -> dict:
+    meta = checkpoint.read_meta(path)
+    if "draft" in meta:
+        raise checkpoint.CheckpointError(
+            f"{path} already holds a {meta['draft']['algo']} draft module; convert a base checkpoint"
+        )
+    return {k: v for k, v in meta.items()
+            if k not in ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel")}
+
+
+def calibrate_draft_vocab(model_path, calibration_data, draft_vocab_size: int, vocab_size: int):
+    """(d2t, t2d) from the token frequencies of conversation jsonl files, tokenized with the
+    checkpoint's own tokenizer and chat template."""
+    from megatron_specdec.data import calibrate, load_tokenizer
+
+    tokenizer = load_tokenizer(str(Path(model_path) / checkpoint.TOKENIZER_DIR))
+    vocab = calibrate(calibration_data, tokenizer, draft_vocab_size, vocab_size=vocab_size)
+    return vocab.d2t, vocab.t2d
+
+
+def _convert_worker(model_path, export_dir, cfg_entry, draft_vocab, tp, pp, overwrite):
+    from megatron_specdec import distributed
+    from megatron_specdec.model_provider import build_model
+
+    distributed.initialize(tp, pp)
+    meta = _base_checkpoint_meta(model_path)
+    hf_config = checkpoint.hf_config_from_meta(meta)
+    base = build_model(hf_config, dtype=checkpoint.dtype_from_name(meta["dtype"]),
+                       padding=meta["padding"], transformer_impl=meta["transformer_impl"])
+    checkpoint.load_checkpoint(base, model_path)
+    model = attach(base, spec_config.from_dict(cfg_entry), hf_config)
+    if draft_vocab is not None and model.draft is not None:
+        model.draft.set_draft_vocab(*draft_vocab)
+    save_speculative(model, export_dir, meta, Path(model_path) / checkpoint.TOKENIZER_DIR, overwrite)
+
+
+def convert_checkpoint(model_path, export_dir, algo, config=None, calibration_data=None,
+                       tp=1, pp=1, overwrite=False):
+    """Base dist checkpoint -> speculative dist checkpoint (draft initialised, base frozen).
+
+    Everything that can be wrong with the inputs is checked before any process starts or
+    any file is written. Runs in the current torchrun group if there is one, else spawns
+    tp * pp local processes. Returns the validated draft config.
+    """
+    import torch.distributed as dist
+
+    from megatron_specdec import distributed, families
+
+    meta = _base_checkpoint_meta(model_path)
+    hf_config = checkpoint.hf_config_from_meta(meta)
+    cfg = spec_config.parse(algo, config, hf_config.num_hidden_layers, hf_config.vocab_size)
+    families.transformer_config(hf_config, tp=tp, pp=pp, num_query_groups=meta["padding"]["query_groups"])
+    checkpoint.check_output_dir(export_dir, overwrite, "export directory")
+    draft_vocab = None
+    if calibration_data:
+        if cfg.algo != "eagle3":
+            raise ValueError("--calibration_data builds an EAGLE3 draft vocabulary; medusa has none")
+        draft_vocab = calibrate_draft_vocab(model_path, calibration_data, cfg.draft_vocab_size,
+                                            hf_config.vocab_size)
+    elif cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size:
+        raise ValueError(
+            f"draft_vocab_size={cfg.draft_vocab_size} < vocabulary {hf_config.vocab_size}: a "
+            f"reduced draft vocabulary needs --calibration_data to choose its tokens"
+        )
+    args = (str(model_path), str(export_dir), spec_config.to_dict(cfg), draft_vocab, tp, pp,
+            overwrite)
+    if dist.is_initialized() or tp * pp == 1:
+        _convert_worker(*args)
+    else:
+        distributed.spawn(_convert_worker, tp * pp, *args)
+    return cfg
