@@ -130,7 +130,8 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, dtype="float32", overwrite=False
                    transformer_impl="auto"):
     """Import an HF model directory (or 'default') into a dist checkpoint at TP x PP.
 
-    Runs in the current torchrun group when there is one of size tp*pp, else spawns it.
+    Runs in the current process group when it has tp*pp ranks (torchrun, or one process),
+    else spawns tp*pp local processes.
     """
     import torch.distributed as dist
 
@@ -139,7 +140,8 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, dtype="float32", overwrite=False
     families.transformer_config(config, tp=tp, pp=pp)  # layout errors before any process starts
     checkpoint.check_output_dir(out_dir, overwrite, "checkpoint directory")
     args = (str(hf_dir), str(out_dir), tp, pp, dtype, overwrite, transformer_impl)
-    if dist.is_initialized() or tp * pp == 1:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == tp * pp:
         _import_worker(*args)
     else:
         distributed.spawn(_import_worker, tp * pp, *args)

@@ -1,0 +1,60 @@
+"""Answer chat prompts by greedy generation from a Megatron model, at any TP/PP.
+
+    torchrun --nproc-per-node 2 -m megatron_specdec.chat --model runs/demo/smollm2_tp2 --tp 2 \\
+        --prompt "What is the capital of France?"
+
+--model takes a megatron_specdec checkpoint, an HF directory, or 'default'.
+"""
+
+import argparse
+import sys
+import time
+
+from megatron_specdec.cli import run_cli
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="checkpoint, HF directory or 'default'")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a user message (repeat for a batch)")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    return p.parse_args(argv)
+
+
+def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
+    """Greedy answers to `prompts` (user messages); collective over the model-parallel group."""
+    from transformers import AutoTokenizer
+
+    from megatron_specdec import checkpoint, distributed
+    from megatron_specdec.data import end_of_turn_ids
+    from megatron_specdec.generation import greedy_generate
+
+    distributed.initialize(tp, pp)
+    model, config, tokenizer_dir = checkpoint.load_model_for_inference(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                         add_generation_prompt=True, return_dict=False)
+           for p in prompts]
+    start = time.time()
+    out = greedy_generate(model, ids, max_new_tokens, config.vocab_size,
+                          eos_ids=end_of_turn_ids(tokenizer))
+    seconds = time.time() - start
+    return [tokenizer.decode(o) for o in out], sum(map(len, out)) / seconds
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from megatron_specdec.distributed import is_rank0
+
+    answers, speed = chat(args.model, args.prompt, args.max_new_tokens, args.tp, args.pp)
+    if is_rank0():
+        for prompt, answer in zip(args.prompt, answers):
+            print(f"\n>>> {prompt}\n{answer}")
+        print(f"\n[{speed:.1f} tokens/s, TP={args.tp} PP={args.pp}]")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
