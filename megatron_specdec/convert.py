@@ -161,8 +161,8 @@ def convert_checkpoint(model_path, export_dir, algo, config=None, calibration_da
         )
     args = (str(model_path), str(export_dir), spec_config.to_dict(cfg), draft_vocab, tp, pp,
             overwrite)
-    if dist.is_initialized() or tp * pp == 1:
-        _convert_worker(*args)
+    if (dist.is_initialized() and dist.get_world_size() == tp * pp) or tp * pp == 1:
+        _convert_worker(*args)  # under torchrun, or a single process
     else:
         distributed.spawn(_convert_worker, tp * pp, *args)
     return cfg

@@ -1,0 +1,196 @@
+"""EAGLE3 in one process: config parsing, the training-time-test mask, the vocab-parallel soft
+cross-entropy against a plain softmax, aux capture against HF hidden states, and the draft's
+training-time-test logits against an independent plain-PyTorch EAGLE3 that drafts chains
+step by step from HF-layout weights (what an inference engine runs)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_specdec import distributed, spec_config
+from megatron_specdec.families import rope_settings
+from megatron_specdec.layers import losses
+from megatron_specdec.layers.eagle3_module import ttt_attention_mask
+from megatron_specdec.spec_config import SpecConfigError
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    distributed.initialize(1, 1)
+
+
+# ---- configuration ------------------------------------------------------------------------
+def test_config_defaults_and_modelopt_forms():
+    cfg = spec_config.parse("eagle3", {"eagle_num_layers": 2, "use_last_layernorm": False}, 30, 49152)
+    assert cfg.aux_layer_ids == [1, 14, 26] and cfg.ttt_steps == 7 and cfg.ttt_decay == 0.8
+    assert cfg.draft_vocab_size == 49152 and cfg.padded_draft_vocab_size == 49152
+    listed = spec_config.parse([("eagle", {"draft_vocab_size": 1000})], None, 30, 49152)
+    assert listed.algo == "eagle3" and listed.padded_draft_vocab_size == 1024
+    medusa = spec_config.parse([("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 2})], None, 30, 49152)
+    assert medusa.medusa_head_weights == pytest.approx([1.0, 0.8, 0.64])
+    assert spec_config.from_dict(spec_config.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("algo,config,message", [
+    ("eagle3", {"eagle_num_layer": 1}, "unknown eagle3 config key(s) 'eagle_num_layer'"),
+    ("eagle3", {"eagle_aux_hidden_state_layer_ids": [1, 30]}, "aux layer id 30 is out of range"),
+    ("eagle3", {"eagle_aux_hidden_state_layer_ids": [-1]}, "valid: 0..29"),
+    ("eagle3", {"draft_vocab_size": 49153}, "draft_vocab_size=49153 is out of range"),
+    ("eagle3", {"ttt_steps": 0}, "ttt_steps=0"),
+    ("medusa", {"medusa_head_weights": [1.0]}, "needs 4 non-negative values"),
+    ("lookahead", {}, "valid: eagle3, medusa"),
+])
+def test_config_errors_name_the_problem(algo, config, message):
+    with pytest.raises(SpecConfigError, match=None) as e:
+        spec_config.parse(algo, config, 30, 49152)
+    assert message in str(e.value)
+
+
+# ---- training-time test mask --------------------------------------------------------------
+def test_ttt_mask_follows_the_chain():
+    s, k = 6, 2
+    allowed = ~ttt_attention_mask(None, s, k)[0, 0]  # [s, 3s]
+    u = 4  # chain from the real prefix ending at u-k = 2
+    assert allowed[u, :s].nonzero().flatten().tolist() == [0, 1, 2]
+    assert allowed[u, s:2 * s].nonzero().flatten().tolist() == [3]  # step-1 key at 3
+    assert allowed[u, 2 * s:].nonzero().flatten().tolist() == [4]  # its own step-2 key
+    assert allowed.any(-1).all()  # no row without a key (positions u < k are never scored)
+
+
+# ---- vocab-parallel soft cross-entropy ----------------------------------------------------
+def test_soft_cross_entropy_matches_plain_softmax(one_process):
+    g = torch.Generator().manual_seed(0)
+    n, vocab, draft, padded = 5, 40, 12, 16
+    base = torch.randn(n, vocab, generator=g)
+    target_ids = torch.randperm(vocab, generator=g)[:draft].sort().values
+    logits = torch.randn(n, padded, generator=g).requires_grad_()
+    masked = logits.masked_fill(torch.arange(padded) >= draft, float("-inf"))
+    target = losses.draft_target_logits(base, target_ids, padded)
+    got = losses.soft_cross_entropy(masked, target)
+    got.sum().backward()
+    ref_logits = logits.detach()[:, :draft].clone().requires_grad_()
+    p = torch.softmax(base[:, target_ids], -1)
+    want = -(p * torch.log_softmax(ref_logits, -1)).sum(-1)
+    want.sum().backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(logits.grad[:, :draft], ref_logits.grad, atol=1e-6)
+    assert (logits.grad[:, draft:] == 0).all()
+
+
+# ---- the draft against a step-by-step reference -----------------------------------------
+def _tiny_model(draft_layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_specdec.convert import convert
+    from megatron_specdec.hf_conversion import load_hf_into_model
+    from megatron_specdec.model_provider import build_model
+
+    hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                     max_position_embeddings=64, tie_word_embeddings=True, rope_theta=5000.0)
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(hf).eval()
+    base = build_model(hf)
+    load_hf_into_model(base, hf, hf_model.state_dict())
+    model = convert(base, "eagle3", {"draft_vocab_size": 300, "ttt_steps": 3,
+                                     "eagle_num_layers": draft_layers,
+                                     "eagle_aux_hidden_state_layer_ids": [0, 2, 1]}, hf_config=hf)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.draft.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+        targets = torch.randperm(512, generator=g)[:300].sort().values
+        t2d = torch.zeros(512, dtype=torch.bool)
+        t2d[targets] = True
+        model.draft.set_draft_vocab(targets - torch.arange(300), t2d)
+    return model, hf, hf_model
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.cat([pos * inv, pos * inv])
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * ang.cos() + half * ang.sin()
+
+
+class ReferenceDraft:
+    """EAGLE3 from HF-layout tensors, one position at a time with a KV cache per layer."""
+
+    def __init__(self, w, hf, num_layers):
+        self.w, self.hf, self.n = w, hf, num_layers
+        self.heads, self.groups = hf.num_attention_heads, hf.num_key_value_heads
+        self.hd = hf.hidden_size // self.heads
+        self.prefix = "midlayer." if num_layers == 1 else "layers.{}."
+
+    def _layer(self, i, hidden, emb, pos, cache):
+        w, p, eps = self.w, self.prefix.format(i), self.hf.rms_norm_eps
+        if i == 0:
+            x = torch.cat([_rms(emb, w[p + "input_layernorm.weight"], eps),
+                           _rms(hidden, w[p + "hidden_norm.weight"], eps)])
+        else:
+            x = _rms(hidden, w[p + "input_layernorm.weight"], eps)
+        q = (w[p + "self_attn.q_proj.weight"] @ x).view(self.heads, self.hd)
+        k = (w[p + "self_attn.k_proj.weight"] @ x).view(self.groups, self.hd)
+        v = (w[p + "self_attn.v_proj.weight"] @ x).view(self.groups, self.hd)
+        theta = rope_settings(self.hf)["rotary_base"]
+        cache.append((_rope(k, float(pos), theta), v))
+        keys = torch.stack([c[0] for c in cache]).repeat_interleave(self.heads // self.groups, 1)
+        vals = torch.stack([c[1] for c in cache]).repeat_interleave(self.heads // self.groups, 1)
+        q = _rope(q, float(pos), theta)
+        att = torch.softmax(torch.einsum("hd,thd->ht", q, keys) / self.hd ** 0.5, -1)
+        hidden = hidden + w[p + "self_attn.o_proj.weight"] @ torch.einsum("ht,thd->hd", att, vals).reshape(-1)
+        y = _rms(hidden, w[p + "post_attention_layernorm.weight"], eps)
+        mlp = F.silu(w[p + "mlp.gate_proj.weight"] @ y) * (w[p + "mlp.up_proj.weight"] @ y)
+        return hidden + w[p + "mlp.down_proj.weight"] @ mlp
+
+    def step(self, hidden, emb, pos, caches):
+        for i in range(self.n):
+            hidden = self._layer(i, hidden, emb, pos, caches[i])
+        logits = self.w["lm_head.weight"] @ _rms(hidden, self.w["norm.weight"], self.hf.rms_norm_eps)
+        return hidden, logits
+
+
+@pytest.mark.parametrize("draft_layers", [1, 2])
+def test_aux_capture_and_ttt_match_stepwise_drafting(one_process, draft_layers):
+    from megatron_specdec.weights import eagle3, mapping
+
+    model, hf, hf_model = _tiny_model(draft_layers)
+    s = 10
+    ids = torch.randint(0, 512, (1, s), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        state = model.run_base(ids)
+        hf_hidden = hf_model(ids, output_hidden_states=True).hidden_states
+        for slot, layer in enumerate(model.aux_layer_ids):  # output of layer k = HF hidden_states[k+1]
+            assert torch.allclose(state.aux[slot][:, 0], hf_hidden[layer + 1][0], atol=1e-5)
+        aux = torch.cat(state.aux, -1)
+        embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])
+        ttt = model.draft.training_time_test(aux, embeds, model.rotary_pos_emb(s), None, 3)
+
+        cfg = model.spec_config
+        geo = eagle3.geometry(hf, model.base.padding, cfg)
+        w = mapping.megatron_to_hf(eagle3.rules(cfg), model.draft.state_dict(), geo, cfg.eagle_num_layers)
+        first = "midlayer." if draft_layers == 1 else "layers.0."
+        assert w["lm_head.weight"].shape == (300, 64) and w[first + "self_attn.q_proj.weight"].shape == (64, 128)
+        ref = ReferenceDraft(w, hf, cfg.eagle_num_layers)
+        tok_emb = hf_model.model.embed_tokens.weight
+        fc = w["fc.weight"] @ aux[:, 0].t()  # [h, s]
+        caches = [[] for _ in range(cfg.eagle_num_layers)]
+        prefix_out = []
+        for t in range(s - 1):  # real pairs (fc(aux_t), embed(x_{t+1})) at position t
+            prefix_out.append(ref.step(fc[:, t], tok_emb[ids[0, t + 1]], t, caches))
+        for start in range(s - 1):
+            chain = [c[: start + 1] for c in caches]
+            hidden, logits = prefix_out[start]
+            for k in range(3):
+                u = start + k
+                if u + 1 >= s:
+                    break
+                if k:
+                    hidden, logits = ref.step(hidden, tok_emb[ids[0, u + 1]], u, chain)
+                got = ttt[k][u, 0, :300]
+                assert torch.allclose(got, logits, atol=2e-4), (start, k, (got - logits).abs().max())
