@@ -40,7 +40,7 @@ def _time(fn, repeats, device):
 
 def _chain_inputs(batch, k, device, gen):
     target = torch.randn(batch, k + 1, VOCAB, generator=gen) * 4.0
-    draft_logits = target[:, :k] + torch.randn(batch, k, VOCAB, generator=gen) * 1.5
+    draft_logits = target[:, :k] + torch.randn(batch, k, VOCAB, generator=gen) * 0.8
     q = draft_logits.softmax(-1)
     draft = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=gen).reshape(batch, k)
     lens = torch.full((batch,), k, dtype=torch.long)
@@ -57,7 +57,7 @@ def _tree_inputs(batch, device, gen):
     target = torch.randn(batch, n + 1, VOCAB, generator=gen) * 4.0
     ids = torch.empty(batch, n, dtype=torch.long)
     for i, up in enumerate(parents):
-        ids[:, i] = (target[:, up + 1] + torch.randn(batch, VOCAB, generator=gen) * 1.5).argmax(-1)
+        ids[:, i] = (target[:, up + 1] + torch.randn(batch, VOCAB, generator=gen) * 0.8).argmax(-1)
     uniforms = torch.rand(batch, n + 1, generator=gen)
     nodes = torch.full((batch,), n, dtype=torch.long)
     depth = int(reference.tree_depths(par, nodes).max())

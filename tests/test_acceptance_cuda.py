@@ -29,8 +29,10 @@ def test_python_limits_match_the_kernels():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile-check the .cu files")
 @pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
 def test_cu_file_compiles(source, tmp_path):
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # the flags a CUDA build of the extension uses
+
     obj = tmp_path / (os.path.basename(source) + ".o")
-    cmd = ["nvcc", "-std=c++17", "-Xcompiler", "-Wall", "-I", CSRC, "-c", source, "-o", str(obj)]
+    cmd = ["nvcc", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xcompiler", "-Wall", "-I", CSRC, "-c", source, "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert obj.stat().st_size > 0
