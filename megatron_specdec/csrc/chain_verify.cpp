@@ -20,7 +20,7 @@ void stochastic_chain_kernel(const int64_t* draft, const T* logits, const int64_
                              int64_t vocab, int64_t* tokens, int64_t* counts) {
   const char* op = "stochastic_chain_verify";
   at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> scratch, weights(vocab);
+    std::vector<double> scratch, weights(vocab), qrow(q ? vocab : 0);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t* d = draft + b * k;
       const float* u = uniforms + b * (k + 1);
@@ -36,8 +36,10 @@ void stochastic_chain_kernel(const int64_t* draft, const T* logits, const int64_
           // Residual max(0, p - q): p with the draft token removed when q is one-hot.
           row_probs(row, vocab, dist, sp.temperature, weights.data());
           if (q) {
-            const Q* qrow = q + (b * k + n) * vocab;
-            for (int64_t j = 0; j < vocab; ++j) weights[j] = std::max(0.0, weights[j] - checked_prob(qrow, j, op));
+            to_double(q + (b * k + n) * vocab, vocab, qrow.data());
+            TORCH_CHECK(block_residual(weights.data(), qrow.data(), weights.data(), vocab, 1.0), op,
+                        ": draft_probs must be finite and >= 0; found NaN, inf or a negative value in row [", b,
+                        ", ", n, "]");
           } else {
             weights[d[n]] = 0.0;
           }

@@ -25,7 +25,7 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Rows are reduced in fixed chunks so the result does not depend on the thread count.
 constexpr int64_t kChunk = 8192;
-constexpr int kLanes = 8;
+constexpr int64_t kBlock = 512;  // stack buffer of the exp passes
 
 // Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, then a degree-13 Taylor
 // polynomial: relative error ~2e-16. Below -708 the result would be subnormal
@@ -61,13 +61,57 @@ inline double exp_nonpos_inline(double x) {
   return x < -708.0 ? 0.0 : p * scale;
 }
 
-inline double lanes_sum(const double* acc) {
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+// GCC vector types: one loop body becomes AVX-512, AVX2 or SSE2 code in each clone.
+// They never cross a function boundary (helpers are always inlined), so the
+// ABI note GCC gives for 64-byte vector arguments does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef double VecD __attribute__((vector_size(64)));
+typedef long long VecL __attribute__((vector_size(64)));
+constexpr int kVec = 8;
+#define SPECDEC_INLINE inline __attribute__((always_inline))
+
+SPECDEC_INLINE VecD splat(double v) {
+  return VecD{} + v;
+}
+
+SPECDEC_INLINE VecD load(const double* p) {
+  VecD v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+SPECDEC_INLINE void store(double* p, VecD v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+SPECDEC_INLINE double lanes_sum(VecD v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 void check_row(bool bad, double max, const char* op) {
   TORCH_CHECK(!bad, op, ": target_logits must be finite or -inf (after temperature); found NaN or +inf");
   TORCH_CHECK(max > -kInf, op, ": a target_logits row is entirely -inf (no token can be sampled)");
+}
+
+// Max of x (flagging NaN or +inf) for a logits row already scaled into x.
+double checked_max(const double* x, int64_t n, bool* bad) {
+  bool nan = false;
+  const double m = block_max(x, n, &nan);
+  *bad = *bad || nan || m == kInf;
+  return m;
+}
+
+SPECDEC_SIMD_CLONES
+double block_weighted(const double* x, const double* e, int64_t n, double shift) {
+  VecD acc = {};
+  int64_t j = 0;
+  for (; j + kVec <= n; j += kVec) {
+    const VecD ev = load(e + j);
+    acc += ev > 0.0 ? ev * (load(x + j) - shift) : splat(0.0);
+  }
+  double total = lanes_sum(acc);
+  for (; j < n; ++j) total += e[j] > 0.0 ? e[j] * (x[j] - shift) : 0.0;
+  return total;
 }
 
 // Max and normaliser of one chunk, then chunks merged in order.
@@ -82,7 +126,7 @@ RowDist plain_row_dist(const T* row, int64_t vocab, double temperature, const ch
       const int64_t n = std::min(kChunk, vocab - c * kChunk);
       scale_row(row + c * kChunk, n, temperature, buf);
       bool bad = false;
-      maxs[c] = block_max(buf, n, &bad);
+      maxs[c] = checked_max(buf, n, &bad);
       bads[c] = bad;
       sums[c] = maxs[c] > -kInf ? block_sum_exp(buf, n, maxs[c], -kInf) : 0.0;
     }
@@ -109,7 +153,7 @@ RowDist cut_row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std:
   double* tmp = x + vocab;
   scale_row(row, vocab, sp.temperature, x);
   bool bad = false;
-  RowDist d{block_max(x, vocab, &bad), 0.0, -kInf};
+  RowDist d{checked_max(x, vocab, &bad), 0.0, -kInf};
   check_row(bad, d.max, op);
   if (sp.top_k > 0 && sp.top_k < vocab) {
     std::copy(x, x + vocab, tmp);
@@ -140,45 +184,58 @@ double exp_nonpos(double x) {
 }
 
 SPECDEC_SIMD_CLONES
-double block_max(const double* x, int64_t n, bool* bad) {
-  double acc[kLanes];
-  bool flag[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    acc[l] = -kInf;
-    flag[l] = false;
-  }
+double block_max(const double* x, int64_t n, bool* nan) {
+  VecD acc = splat(-kInf);
+  VecL seen = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const double v = x[j + l];
-      flag[l] = flag[l] | !(v < kInf);
-      acc[l] = v > acc[l] ? v : acc[l];
-    }
-  }
-  for (; j < n; ++j) {
-    flag[0] = flag[0] | !(x[j] < kInf);
-    acc[0] = x[j] > acc[0] ? x[j] : acc[0];
+  for (; j + kVec <= n; j += kVec) {
+    const VecD v = load(x + j);
+    seen |= v != v;
+    acc = v > acc ? v : acc;
   }
   double m = -kInf;
-  for (int l = 0; l < kLanes; ++l) {
+  bool any = false;
+  for (int l = 0; l < kVec; ++l) {
     m = acc[l] > m ? acc[l] : m;
-    *bad = *bad || flag[l];
+    any = any || seen[l];
   }
+  for (; j < n; ++j) {
+    any = any || x[j] != x[j];
+    m = x[j] > m ? x[j] : m;
+  }
+  *nan = *nan || any;
   return m;
 }
 
 SPECDEC_SIMD_CLONES
-double block_sum_exp(const double* x, int64_t n, double shift, double cut) {
-  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+double block_sum(const double* x, int64_t n) {
+  VecD acc = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const double v = x[j + l];
-      acc[l] += v >= cut ? exp_nonpos_inline(v - shift) : 0.0;
-    }
+  for (; j + kVec <= n; j += kVec) acc += load(x + j);
+  double total = lanes_sum(acc);
+  for (; j < n; ++j) total += x[j];
+  return total;
+}
+
+SPECDEC_SIMD_CLONES
+void block_div(double* x, int64_t n, double divisor) {
+  for (int64_t j = 0; j < n; ++j) x[j] /= divisor;
+}
+
+SPECDEC_SIMD_CLONES
+void block_exp(const double* x, double* out, int64_t n, double shift, double cut) {
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] >= cut ? exp_nonpos_inline(x[j] - shift) : 0.0;
+}
+
+double block_sum_exp(const double* x, int64_t n, double shift, double cut) {
+  double e[kBlock];
+  double total = 0.0;
+  for (int64_t j = 0; j < n; j += kBlock) {
+    const int64_t m = std::min(kBlock, n - j);
+    block_exp(x + j, e, m, shift, cut);
+    total += block_sum(e, m);
   }
-  for (; j < n; ++j) acc[0] += x[j] >= cut ? exp_nonpos_inline(x[j] - shift) : 0.0;
-  return lanes_sum(acc);
+  return total;
 }
 
 SPECDEC_SIMD_CLONES
@@ -187,40 +244,37 @@ void block_probs(double* x, int64_t n, const RowDist& d) {
   for (int64_t j = 0; j < n; ++j) x[j] = x[j] >= cut ? exp_nonpos_inline(x[j] - shift) / sum : 0.0;
 }
 
-SPECDEC_SIMD_CLONES
-double block_sum(const double* x, int64_t n) {
-  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[j + l];
+void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe) {
+  double e[kBlock];
+  *sum = *sum_xe = 0.0;
+  for (int64_t j = 0; j < n; j += kBlock) {
+    const int64_t m = std::min(kBlock, n - j);
+    block_exp(x + j, e, m, shift, -kInf);
+    *sum += block_sum(e, m);
+    *sum_xe += block_weighted(x + j, e, m, shift);
   }
-  for (; j < n; ++j) acc[0] += x[j];
-  return lanes_sum(acc);
 }
 
 SPECDEC_SIMD_CLONES
-void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe) {
-  double acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0}, acc_xe[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+bool block_residual(const double* w, const double* q, double* out, int64_t n, double scale) {
+  VecL bad = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const double v = x[j + l] - shift;
-      const double e = exp_nonpos_inline(v);
-      acc[l] += e;
-      acc_xe[l] += e > 0.0 ? e * v : 0.0;
-    }
+  for (; j + kVec <= n; j += kVec) {
+    const VecD qv = load(q + j);
+    bad |= ~((qv >= 0.0) & (qv < kInf));
+    const VecD r = load(w + j) - qv * scale;
+    store(out + j, r > 0.0 ? r : splat(0.0));
   }
+  bool ok = true;
+  for (int l = 0; l < kVec; ++l) ok = ok && !bad[l];
   for (; j < n; ++j) {
-    const double v = x[j] - shift, e = exp_nonpos_inline(v);
-    acc[0] += e;
-    acc_xe[0] += e > 0.0 ? e * v : 0.0;
+    ok = ok && q[j] >= 0.0 && q[j] < kInf;
+    out[j] = std::max(0.0, w[j] - q[j] * scale);
   }
-  *sum = lanes_sum(acc);
-  *sum_xe = lanes_sum(acc_xe);
+  return ok;
 }
 
 int64_t sample_weights(const double* w, int64_t n, double u) {
-  constexpr int64_t kBlock = 256;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<double> block_total(blocks);
   double total = 0.0;
@@ -257,19 +311,25 @@ RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vec
 
 template <typename T>
 int64_t row_argmax(const T* row, int64_t vocab, const char* op) {
+  double buf[kChunk];
   double best = -kInf;
-  int64_t idx = 0;
+  int64_t best_chunk = 0;
   bool nan = false;
-  for (int64_t j = 0; j < vocab; ++j) {
-    const double v = static_cast<double>(row[j]);
-    nan = nan || v != v;
-    if (v > best) {
-      best = v;
-      idx = j;
+  for (int64_t c = 0; c * kChunk < vocab; ++c) {
+    const int64_t n = std::min(kChunk, vocab - c * kChunk);
+    to_double(row + c * kChunk, n, buf);
+    const double m = block_max(buf, n, &nan);
+    if (m > best) {
+      best = m;
+      best_chunk = c;
     }
   }
   TORCH_CHECK(!nan, op, ": target_logits contains NaN");
-  return idx;
+  const int64_t begin = best_chunk * kChunk, end = std::min(vocab, begin + kChunk);
+  for (int64_t j = begin; j < end; ++j) {
+    if (static_cast<double>(row[j]) == best) return j;
+  }
+  return begin;
 }
 
 #define SPECDEC_INSTANTIATE(T)                                                                       \

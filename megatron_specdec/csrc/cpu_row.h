@@ -27,20 +27,32 @@ struct RowDist {
 double exp_nonpos(double x);
 
 // Kernels over float64 blocks, compiled for AVX-512, AVX2 and baseline (runtime pick).
-double block_max(const double* x, int64_t n, bool* bad);  // bad: NaN or +inf seen
+double block_max(const double* x, int64_t n, bool* nan);  // max ignoring NaN; nan: one was seen
+double block_sum(const double* x, int64_t n);
+void block_div(double* x, int64_t n, double divisor);
+// out_j = exp(x_j - shift) for x_j >= cut, else 0.
+void block_exp(const double* x, double* out, int64_t n, double shift, double cut);
 double block_sum_exp(const double* x, int64_t n, double shift, double cut);
 void block_probs(double* x, int64_t n, const RowDist& d);  // x -> p in place
-double block_sum(const double* x, int64_t n);
 // sum_j e_j and sum_j e_j (x_j - shift) with e_j = exp(x_j - shift): the entropy's terms.
 void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe);
+// out_j = max(0, w_j - q_j * scale) (out may be w); false when some q_j is NaN, inf or < 0.
+bool block_residual(const double* w, const double* q, double* out, int64_t n, double scale);
 
 // Index of the first weight whose running sum exceeds u * total (u in [0, 1)).
 int64_t sample_weights(const double* w, int64_t n, double u);
 
+// Copies row[0:n] into out as float64.
+template <typename T>
+inline void to_double(const T* row, int64_t n, double* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<double>(row[j]);
+}
+
 // Copies logits[0:n] / temperature into out as float64.
 template <typename T>
 inline void scale_row(const T* row, int64_t n, double temperature, double* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<double>(row[j]) / temperature;
+  to_double(row, n, out);
+  if (temperature != 1.0) block_div(out, n, temperature);
 }
 
 // Target distribution of one logits row. `scratch` (>= vocab doubles) is only

@@ -49,7 +49,7 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
                             int64_t vocab, int64_t max_depth, int64_t* tokens, int64_t* counts, int64_t* path) {
   const char* op = "tree_verify_stochastic";
   at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> scratch, weights(vocab), spare(q ? vocab : 0);
+    std::vector<double> scratch, weights(vocab), spare(q ? vocab : 0), qrow(q ? vocab : 0);
     std::vector<int64_t> first, next, nodes(max_depth), excluded;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t* tok = ids + b * n;
@@ -65,8 +65,7 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
       excluded.clear();
       for (int64_t c = first[0]; c >= 0;) {
         const int64_t t = tok[c];
-        const Q* qrow = q ? q + (b * n + c) * vocab : nullptr;
-        const double qt = q ? checked_prob(qrow, t, op) : 1.0;
+        const double qt = q ? checked_prob(q, (b * n + c) * vocab + t, op) : 1.0;
         double rt = dense ? weights[t] : row_prob(row, t, dist, sp.temperature);
         for (int64_t e : excluded) rt = e == t ? 0.0 : rt;
         if (static_cast<double>(u[c]) * qt * total < rt) {
@@ -82,7 +81,10 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
         if (q) {
           if (!dense) row_probs(row, vocab, dist, sp.temperature, weights.data());
           dense = true;
-          for (int64_t j = 0; j < vocab; ++j) spare[j] = std::max(0.0, weights[j] - checked_prob(qrow, j, op) * total);
+          to_double(q + (b * n + c) * vocab, vocab, qrow.data());
+          TORCH_CHECK(block_residual(weights.data(), qrow.data(), spare.data(), vocab, total), op,
+                      ": draft_probs must be finite and >= 0; found NaN, inf or a negative value in row [", b, ", ",
+                      c, "]");
           const double new_total = block_sum(spare.data(), vocab);
           if (new_total > 0.0) {
             weights.swap(spare);

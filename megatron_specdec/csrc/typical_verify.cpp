@@ -36,9 +36,9 @@ std::tuple<Tensor, Tensor> typical_verify_cpu(const Tensor& draft_ids, const Ten
           // p(d) > min(eps, alpha * exp(-H)), H = log Z - sum e (x - max) / Z.
           const scalar_t* row = xp + (b * (k + 1) + n) * vocab;
           scale_row(row, vocab, temperature, buf.data());
-          bool bad = false;
-          const double max = block_max(buf.data(), vocab, &bad);
-          TORCH_CHECK(!bad, op, ": target_logits must be finite or -inf (after temperature); found NaN or +inf");
+          bool nan = false;
+          const double max = block_max(buf.data(), vocab, &nan);
+          TORCH_CHECK(!nan && max < std::numeric_limits<double>::infinity(), op, ": target_logits must be finite or -inf (after temperature); found NaN or +inf");
           TORCH_CHECK(max > -std::numeric_limits<double>::infinity(), op, ": a target_logits row is entirely -inf");
           double sum = 0.0, sum_xe = 0.0;
           block_exp_moments(buf.data(), vocab, max, &sum, &sum_xe);
