@@ -34,6 +34,9 @@ class SpeculativeGPTModel(MegatronModule):
         self.post_process = base.post_process
         self.aux_layer_ids = spec_cfg.aux_layer_ids
         self.carries_embeds = self.algo == "eagle3"
+        # Read by megatron's finalize_model_grads: the frozen base's tied embedding has no
+        # gradient to all-reduce between the first and last stage.
+        self.share_embeddings_and_output_weights = False
         if draft is not None:
             self.add_module(self.algo, draft)
         self.input_tensor = None

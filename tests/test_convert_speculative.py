@@ -49,7 +49,7 @@ def _cli(argv, capsys):
 
 def _train_worker(ckpt, out_file):
     """Load at TP=1 x PP=1, take two optimizer steps, report what changed."""
-    from megatron_specdec.convert import load_speculative
+    from megatron_specdec.speculative import load_speculative
     from megatron_specdec.spec_model import forward_backward, reduce_reports
 
     distributed.initialize(1, 1)

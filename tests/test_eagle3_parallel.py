@@ -53,7 +53,7 @@ def build(algo, global_draft=None):
     from megatron.core import parallel_state as ps
     from transformers import LlamaForCausalLM
 
-    from megatron_specdec.convert import convert
+    from megatron_specdec.speculative import convert
     from megatron_specdec.hf_conversion import load_hf_into_model
     from megatron_specdec.model_provider import build_model
 
@@ -134,7 +134,7 @@ def layout_worker(tp, pp, drafts, out_file):
 
 
 def save_worker(tp, pp, drafts, ckpt_dir, out_file):
-    from megatron_specdec.convert import save_speculative
+    from megatron_specdec.speculative import save_speculative
     from megatron_specdec.hf_conversion import base_meta
 
     distributed.initialize(tp, pp)
@@ -149,7 +149,7 @@ def save_worker(tp, pp, drafts, ckpt_dir, out_file):
 
 
 def load_worker(tp, pp, ckpt_dir, out_file):
-    from megatron_specdec.convert import load_speculative
+    from megatron_specdec.speculative import load_speculative
     from megatron_specdec.spec_model import forward_backward, reduce_reports
 
     distributed.initialize(tp, pp)

@@ -81,7 +81,7 @@ def test_soft_cross_entropy_matches_plain_softmax(one_process):
 def _tiny_model(draft_layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.convert import convert
+    from megatron_specdec.speculative import convert
     from megatron_specdec.hf_conversion import load_hf_into_model
     from megatron_specdec.model_provider import build_model
 

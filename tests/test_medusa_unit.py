@@ -17,7 +17,7 @@ def one_process():
 def _tiny(config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.convert import convert
+    from megatron_specdec.speculative import convert
     from megatron_specdec.hf_conversion import load_hf_into_model
     from megatron_specdec.model_provider import build_model
 
@@ -89,7 +89,7 @@ def test_hf_table_uses_the_fastdecoding_layout(one_process):
     ("eagle3", {"draft_vocab_size": 500, "ttt_steps": 2}),
 ])
 def test_training_moves_only_the_draft(one_process, algo, config):
-    from megatron_specdec.convert import convert
+    from megatron_specdec.speculative import convert
     from megatron_specdec.spec_model import forward_backward
 
     model, hf = _tiny({"medusa_num_heads": 1})

@@ -9,6 +9,8 @@ a base checkpoint into a speculative one (checkpoint_tools/convert_speculative.p
 
 from pathlib import Path
 
+import torch
+
 from megatron_specdec import checkpoint, families, spec_config
 from megatron_specdec.distributed import device
 from megatron_specdec.spec_model import SpeculativeGPTModel
@@ -20,15 +22,23 @@ def _base_lm_head(model):
     return model.output_layer.weight
 
 
-def build_draft(model, cfg, vocab_size: int, real_query_groups: int):
-    """This stage's draft module (None before the last stage)."""
+def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int = 1234):
+    """This stage's draft module (None before the last stage). Initialised from its own
+    seed, so the initial draft does not depend on the TP/PP layout (on CPU, where megatron
+    initialises full weights and slices them) or on how much of the base this stage built."""
+    if not model.post_process:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _new_draft(model, cfg, vocab_size, real_query_groups).to(device())
+
+
+def _new_draft(model, cfg, vocab_size, real_query_groups):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_specdec.layers import specs
     from megatron_specdec.layers.medusa import MedusaHeads
 
-    if not model.post_process:
-        return None
     config = model.config
     if cfg.algo == "medusa":
         draft = MedusaHeads(config, cfg.medusa_num_heads, cfg.medusa_num_layers, vocab_size,
@@ -41,7 +51,7 @@ def build_draft(model, cfg, vocab_size: int, real_query_groups: int):
             padded_draft_vocab_size=cfg.padded_draft_vocab_size, vocab_size=vocab_size,
         )
         draft.zero_padded_query_groups(real_query_groups)
-    return draft.to(device())
+    return draft
 
 
 def attach(model, cfg, hf_config=None) -> SpeculativeGPTModel:
