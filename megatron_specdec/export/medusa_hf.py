@@ -1,0 +1,65 @@
+"""Medusa heads -> the original FasterDecoding Medusa layout.
+
+Directory: `config.json` (`medusa_num_heads`, `medusa_num_layers`, `hidden_size`,
+`vocab_size`) and `medusa_lm_head.safetensors` with `{i}.{j}.linear.weight/bias` (block j of
+head i) and `{i}.{L}.weight` (head i's lm_head, unpadded [vocab, h]): what FasterDecoding's
+MedusaModel and TensorRT-LLM's Medusa checkpoint converter read. vLLM's Medusa expects
+another layout (docs/export.md).
+"""
+
+import json
+from pathlib import Path
+
+from megatron_specdec import checkpoint
+from megatron_specdec.export import draft_source
+from megatron_specdec.weights import mapping, medusa
+
+WEIGHTS = "medusa_lm_head.safetensors"
+CONFIG = "config.json"
+
+
+def hf_config(base, cfg, dtype_name: str) -> dict:
+    return {
+        "medusa_num_heads": cfg.medusa_num_heads,
+        "medusa_num_layers": cfg.medusa_num_layers,
+        "hidden_size": base.hidden_size,
+        "vocab_size": base.vocab_size,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+
+
+def tensor_shapes(config: dict) -> dict:
+    h, layers = config["hidden_size"], config["medusa_num_layers"]
+    shapes = {}
+    for i in range(config["medusa_num_heads"]):
+        for j in range(layers):
+            shapes[f"{i}.{j}.linear.weight"] = (h, h)
+            shapes[f"{i}.{j}.linear.bias"] = (h,)
+        shapes[f"{i}.{layers}.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def export_medusa(ckpt_dir, out_dir, dtype=None, overwrite=False):
+    """Write the Medusa heads of a speculative checkpoint (any saved TP/PP) in the
+    FasterDecoding layout; nothing is written unless every tensor maps."""
+    from safetensors.torch import save_file
+
+    checkpoint.check_output_dir(out_dir, overwrite)
+    source = draft_source.read_draft(ckpt_dir, "medusa")
+    cfg = source.cfg
+    geo = mapping.Geometry.from_hf(source.hf_config, source.meta["padding"])
+    tensors = draft_source.cast(
+        draft_source.to_hf(medusa.rules(cfg), source.tensors, geo, cfg.medusa_num_heads), dtype)
+    config = hf_config(source.hf_config, cfg, dtype or source.meta["dtype"])
+    tmp = checkpoint.atomic_dir(out_dir)
+    try:
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        checkpoint.commit_dir(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)

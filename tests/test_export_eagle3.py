@@ -1,0 +1,258 @@
+"""HF export of draft modules from tiny speculative checkpoints saved at TP=2, PP=2 and TP=1
+(the same weights): bitwise identical files from every layout, padded query groups and padded
+vocabulary rows dropped, the FasterDecoding Medusa layout, the names and shapes vLLM, SGLang
+and TensorRT-LLM load, and bad input refused with nothing written.
+
+The base has 3 query groups (padded to 4 at TP=2) and a 500-token vocabulary (padded to 512);
+the EAGLE3 draft vocabulary is 300 ids (padded to 384) with a non-identity d2t.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_specdec import distributed
+
+DRAFTS = {
+    "eagle3": ("eagle3", {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 2, 3]}),
+    "eagle3_2layers": ("eagle3", {"draft_vocab_size": 300, "eagle_num_layers": 2}),
+    "medusa": ("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 2}),
+}
+LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]
+
+
+def tiny_hf_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=4, hidden_size=96, num_attention_heads=6,
+                       num_key_value_heads=3, intermediate_size=128, vocab_size=500,
+                       max_position_embeddings=64, tie_word_embeddings=True, rope_theta=5000.0,
+                       rms_norm_eps=1e-5)
+
+
+def _build(name):
+    """This rank's speculative model: a seeded base, a seeded draft whose norms and Medusa
+    blocks are perturbed (the same values on every TP rank) and, for EAGLE3, a seeded draft
+    vocabulary. Padded query groups and padded vocabulary rows hold zeros."""
+    from transformers import LlamaForCausalLM
+
+    from megatron_specdec.hf_conversion import load_hf_into_model
+    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.speculative import convert
+
+    hf = tiny_hf_config()
+    torch.manual_seed(0)
+    base = build_model(hf)
+    load_hf_into_model(base, hf, LlamaForCausalLM(hf).state_dict())
+    algo, config = DRAFTS[name]
+    model = convert(base, algo, config, hf_config=hf)
+    if model.draft is not None:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for pname, p in model.draft.named_parameters():
+                if "norm" in pname or "blocks" in pname:
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+            if algo == "eagle3":
+                # Padded draft-vocabulary rows are masked (never trained) but initialised at
+                # random; zero them, as a canonical checkpoint holds (export drops them).
+                lm_head = model.draft.lm_head.weight
+                rows = torch.arange(lm_head.shape[0]) + model.draft.vocab_offset
+                lm_head[rows >= 300] = 0
+                targets = torch.randperm(500, generator=g)[:300].sort().values
+                t2d = torch.zeros(500, dtype=torch.bool)
+                t2d[targets] = True
+                model.draft.set_draft_vocab(targets - torch.arange(300), t2d)
+    return model
+
+
+def strip_meta(meta):
+    drop = ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel", "draft")
+    return {k: v for k, v in meta.items() if k not in drop}
+
+
+def make_checkpoints(root, names, layouts):
+    """Save `names` at the first layout from seeded weights, then load and re-save them at
+    each later layout; also a base-only checkpoint `base`."""
+    from megatron_specdec import checkpoint
+    from megatron_specdec.hf_conversion import base_meta
+    from megatron_specdec.speculative import load_speculative, save_speculative
+
+    (first, tp, pp), rest = layouts[0], layouts[1:]
+    distributed.initialize(tp, pp)
+    for name in names:
+        model = _build(name)
+        meta = base_meta(tiny_hf_config(), model.base, torch.float32, "local")
+        save_speculative(model, f"{root}/{name}_{first}", meta)
+    checkpoint.save_checkpoint(model.base, f"{root}/base", meta)
+    for layout, tp, pp in rest:
+        distributed.initialize(tp, pp)
+        for name in names:
+            model, _, meta = load_speculative(f"{root}/{name}_{first}")
+            save_speculative(model, f"{root}/{name}_{layout}", strip_meta(meta))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    distributed.spawn(make_checkpoints, 2, str(root), list(DRAFTS), LAYOUTS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def exported(ckpts, tmp_path_factory):
+    from megatron_specdec.export.eagle3_hf import export_eagle3
+    from megatron_specdec.export.medusa_hf import export_medusa
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, (algo, _) in DRAFTS.items():
+        export = export_medusa if algo == "medusa" else export_eagle3
+        for layout, _, _ in LAYOUTS:
+            out[name, layout] = export(ckpts / f"{name}_{layout}", root / f"{name}_{layout}")
+    return out
+
+
+def _read(directory):
+    weights = next(p for p in directory.iterdir() if p.suffix == ".safetensors")
+    return json.loads((directory / "config.json").read_text()), load_file(str(weights))
+
+
+@pytest.mark.parametrize("name", list(DRAFTS))
+def test_every_layout_exports_identical_bytes(exported, name):
+    ref = exported[name, "tp2"]
+    files = sorted(p.name for p in ref.iterdir())
+    assert len(files) == 2, files
+    for layout in ("pp2", "tp1"):
+        out = exported[name, layout]
+        assert sorted(p.name for p in out.iterdir()) == files
+        for f in files:
+            assert (out / f).read_bytes() == (ref / f).read_bytes(), (name, layout, f)
+
+
+def test_eagle3_config_and_tensors(exported, ckpts):
+    from megatron_specdec import checkpoint
+    from megatron_specdec.export.eagle3_hf import tensor_shapes
+
+    config, tensors = _read(exported["eagle3", "tp2"])
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 300 and config["vocab_size"] == 500
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM: entering layer k
+    assert config["rope_theta"] == 5000.0 and config["rope_scaling"] is None
+    assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+    assert config["num_key_value_heads"] == 3 and config["num_hidden_layers"] == 1
+    assert "target_hidden_size" not in config and config["tie_word_embeddings"] is False
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == tensor_shapes(config)
+    assert "midlayer.self_attn.q_proj.weight" in tensors and "embed_tokens.weight" not in tensors
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert int(tensors["t2d"].sum()) == 300
+    assert bool(tensors["t2d"][torch.arange(300) + tensors["d2t"]].all())
+
+    # Against the raw checkpoint: padded vocabulary rows and the padded query group dropped.
+    plain = checkpoint.load_plain_tensors(ckpts / "eagle3_tp2")
+    lm_head = plain["eagle3.lm_head.weight"]
+    assert lm_head.shape == (384, 96) and torch.equal(tensors["lm_head.weight"], lm_head[:300])
+    groups = plain["eagle3.layers.0.self_attention.linear_qkv.weight"].reshape(4, 64, 192)
+    assert torch.equal(groups[3], torch.zeros_like(groups[3]))  # the padded group
+    q, k, v = groups[:3].split([32, 16, 16], dim=1)
+    assert torch.equal(tensors["midlayer.self_attn.q_proj.weight"], q.reshape(96, 192))
+    assert torch.equal(tensors["midlayer.self_attn.k_proj.weight"], k.reshape(48, 192))
+    assert torch.equal(tensors["midlayer.self_attn.v_proj.weight"], v.reshape(48, 192))
+    proj = plain["eagle3.layers.0.self_attention.linear_proj.weight"]
+    assert proj.shape == (96, 128) and torch.equal(tensors["midlayer.self_attn.o_proj.weight"], proj[:, :96])
+
+
+def test_multi_layer_draft_uses_layers_i(exported):
+    from megatron_specdec.export.eagle3_hf import tensor_shapes
+
+    config, tensors = _read(exported["eagle3_2layers", "tp1"])
+    assert config["num_hidden_layers"] == 2
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # N=4 default
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == tensor_shapes(config)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (96, 192)  # 2h input
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (96, 96)
+    assert "layers.1.hidden_norm.weight" not in tensors
+
+
+def test_medusa_fasterdecoding_layout(exported, ckpts):
+    from megatron_specdec import checkpoint
+    from megatron_specdec.export.medusa_hf import tensor_shapes
+
+    directory = exported["medusa", "pp2"]
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    config, tensors = _read(directory)
+    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 2
+    assert config["hidden_size"] == 96 and config["vocab_size"] == 500
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == tensor_shapes(config)
+    plain = checkpoint.load_plain_tensors(ckpts / "medusa_tp2")
+    for i in range(2):
+        for j in range(2):
+            w = plain[f"medusa.heads.{i}.blocks.{j}.linear.weight"]
+            assert torch.equal(tensors[f"{i}.{j}.linear.weight"], w) and w.abs().sum() > 0
+        assert torch.equal(tensors[f"{i}.2.weight"], plain[f"medusa.heads.{i}.lm_head.weight"][:500])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+def test_engine_loaders_accept_the_export(exported, engine):
+    """Replays each engine's EAGLE3 loader (export/engine_names.py) on the one-layer export:
+    every tensor lands on a parameter of its shape, every parameter is filled."""
+    from megatron_specdec.export import engine_names
+
+    config, tensors = _read(exported["eagle3", "tp1"])
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    loader = engine_names.ENGINES[engine]
+    assert engine_names.check(loader, config, shapes) == []
+    # The replay notices a wrong shape and a missing tensor.
+    bad = dict(shapes, **{"fc.weight": (96, 96)})
+    del bad["midlayer.hidden_norm.weight"]
+    problems = engine_names.check(loader, config, bad)
+    assert any("fc.weight" in p and "shape" in p for p in problems), problems
+    assert any("hidden_norm.weight is never loaded" in p for p in problems), problems
+
+
+def _cli(argv, capsys):
+    from checkpoint_tools import export_draft
+    from megatron_specdec.cli import run_cli
+
+    code = run_cli(lambda: export_draft.main([str(a) for a in argv]))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--full"]], ids=["draft", "full"])
+def test_no_draft_module_is_refused_and_writes_nothing(ckpts, tmp_path, capsys, extra):
+    out = tmp_path / "out"
+    code, err = _cli(["--ckpt", ckpts / "base", "--out", out] + extra, capsys)
+    assert code == 2 and "holds no draft module" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_algorithm_and_overwrite(ckpts, tmp_path, capsys):
+    from megatron_specdec.checkpoint import CheckpointError
+    from megatron_specdec.export.medusa_hf import export_medusa
+
+    with pytest.raises(CheckpointError, match="holds a eagle3 draft module, not medusa"):
+        export_medusa(ckpts / "eagle3_tp1", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep").write_text("x")
+    code, err = _cli(["--ckpt", ckpts / "eagle3_tp1", "--out", tmp_path / "busy"], capsys)
+    assert code == 2 and "--overwrite" in err and (tmp_path / "busy" / "keep").exists()
+    code, err = _cli(["--ckpt", ckpts / "eagle3_tp1", "--out", tmp_path / "busy", "--overwrite",
+                      "--dtype", "bfloat16"], capsys)
+    assert code == 0, err
+    _, tensors = _read(tmp_path / "busy")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]  # no temporary left behind
+
+
+def test_help(capsys):
+    from checkpoint_tools import export_draft, import_draft
+
+    for tool in (export_draft, import_draft):
+        with pytest.raises(SystemExit) as e:
+            tool.main(["--help"])
+        assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--full" in text and "--overwrite" in text and "--draft" in text

@@ -1,0 +1,110 @@
+"""Import of HF EAGLE3 drafts into Megatron speculative checkpoints: import(export(x)) == x
+bitwise at TP=1 and TP=2 (every tensor of the checkpoint, base included), and drafts that do
+not fit the target, miss tensors or disagree with themselves are refused by name, with
+nothing written."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_specdec import checkpoint, distributed
+from test_export_eagle3 import make_checkpoints
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    distributed.spawn(make_checkpoints, 2, str(root), ["eagle3", "eagle3_2layers"],
+                      [("tp2", 2, 1), ("tp1", 1, 1)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def draft_dir(ckpts, tmp_path_factory):
+    from megatron_specdec.export.eagle3_hf import export_eagle3
+
+    return export_eagle3(ckpts / "eagle3_tp1", tmp_path_factory.mktemp("hf") / "eagle3")
+
+
+def _same_checkpoint(a, b):
+    x, y = checkpoint.load_plain_tensors(a), checkpoint.load_plain_tensors(b)
+    x = {k: v for k, v in x.items() if torch.is_tensor(v)}
+    y = {k: v for k, v in y.items() if torch.is_tensor(v)}
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+    return len(x)
+
+
+@pytest.mark.parametrize("name,tp", [("eagle3", 1), ("eagle3_2layers", 2)])
+def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp):
+    from megatron_specdec.export.draft_import import import_eagle3
+    from megatron_specdec.export.eagle3_hf import export_eagle3
+
+    src = ckpts / f"{name}_tp{tp}"
+    hf = export_eagle3(src, tmp_path / "hf")
+    # onto the base-only checkpoint (saved at TP=2): the base comes from there, resharded
+    out = tmp_path / "imported"
+    cfg = import_eagle3(hf, ckpts / "base", out, tp=tp)
+    assert cfg.eagle_num_layers == (2 if "2layers" in name else 1)
+    assert checkpoint.read_meta(out)["saved_tensor_parallel"] == tp
+    assert _same_checkpoint(src, out) > 10
+
+
+def _copy_draft(draft_dir, dst, config_edit=None, drop=()):
+    dst.mkdir()
+    config = json.loads((draft_dir / "config.json").read_text())
+    config.update(config_edit or {})
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in drop}, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("edit,drop,message", [
+    ({"hidden_size": 128}, (), "draft hidden_size=128 does not match the target model's 96"),
+    ({"target_hidden_size": 128}, (), "draft target_hidden_size=128 does not match"),
+    ({"vocab_size": 32000}, (), "draft vocab_size=32000 does not match the target model's 500"),
+    ({"rope_theta": 10000.0}, (), "draft rope_theta=10000.0 does not match the target model's 5000.0"),
+    ({}, ("midlayer.mlp.down_proj.weight",), "tensor 'midlayer.mlp.down_proj.weight' is missing"),
+    ({"draft_vocab_size": 256}, (), "tensor 'lm_head.weight'"),
+    ({"architectures": ["LlamaForCausalLM"]}, (), "not an EAGLE3 draft"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, (), "name different layers"),
+], ids=["hidden", "target_hidden", "vocab", "rope", "missing_tensor", "draft_vocab",
+        "architecture", "aux_ids"])
+def test_bad_drafts_are_refused_and_nothing_is_written(ckpts, draft_dir, tmp_path, capsys,
+                                                       edit, drop, message):
+    from checkpoint_tools import import_draft
+    from megatron_specdec.cli import run_cli
+
+    bad = _copy_draft(draft_dir, tmp_path / "bad", edit, drop)
+    out = tmp_path / "out"
+    code = run_cli(lambda: import_draft.main(
+        ["--draft", str(bad), "--model_path", str(ckpts / "base"), "--export_dir", str(out)]))
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_vllm_only_aux_ids_are_converted(draft_dir, ckpts, tmp_path):
+    """A draft that names its aux layers only in vLLM's convention imports with the same
+    output-of-layer ids."""
+    from megatron_specdec.export import draft_import
+
+    config = json.loads((draft_dir / "config.json").read_text())
+    del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert draft_import._aux_layer_ids(config) == [0, 2, 3]
+
+
+def test_d2t_t2d_disagreement_is_refused(draft_dir, ckpts, tmp_path):
+    from megatron_specdec.export.draft_import import DraftMismatchError, import_eagle3
+
+    bad = _copy_draft(draft_dir, tmp_path / "bad")
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["t2d"] = tensors["t2d"].roll(1)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(DraftMismatchError, match="d2t and t2d disagree"):
+        import_eagle3(bad, ckpts / "base", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
