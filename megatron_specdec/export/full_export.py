@@ -1,0 +1,60 @@
+"""Base model + draft module in one directory an engine can be pointed at:
+
+    out/base/     the base model (hf_conversion.megatron_to_hf) plus model.safetensors.index.json
+    out/eagle3/   or out/medusa/: the draft (eagle3_hf / medusa_hf)
+
+e.g. `vllm serve out/base --speculative-config '{"method": "eagle3", "model": "out/eagle3"}'`,
+`sglang ... --model out/base --speculative-draft-model-path out/eagle3`. The index is written
+because the EAGLE reference runtime finds the base embedding through it.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from megatron_specdec import checkpoint, hf_conversion
+from megatron_specdec.export import eagle3_hf, medusa_hf
+
+BASE_DIR = "base"
+_EXPORTERS = {"eagle3": eagle3_hf.export_eagle3, "medusa": medusa_hf.export_medusa}
+
+
+def write_index(hf_dir):
+    """model.safetensors.index.json over the single weights file megatron_to_hf writes."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    weight_map, total = {}, 0
+    with safe_open(str(hf_dir / hf_conversion.HF_WEIGHTS), framework="pt") as f:
+        for name in f.keys():
+            weight_map[name] = hf_conversion.HF_WEIGHTS
+            sl = f.get_slice(name)
+            numel = 1
+            for d in sl.get_shape():
+                numel *= d
+            total += numel * {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 8)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (hf_dir / hf_conversion.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_full(ckpt_dir, out_dir, overwrite=False):
+    """out/base and out/<algo> from one speculative checkpoint (any saved TP/PP). The draft
+    is read and checked first, so a checkpoint without one writes nothing. Tensors keep the
+    checkpoint's dtype."""
+    checkpoint.check_output_dir(out_dir, overwrite)
+    meta = checkpoint.read_meta(ckpt_dir)
+    if "draft" not in meta:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_dir} holds no draft module (a base checkpoint): add one with "
+            f"checkpoint_tools/convert_speculative.py and train it before exporting")
+    algo = meta["draft"]["algo"]
+    tmp = checkpoint.atomic_dir(out_dir)
+    try:
+        _EXPORTERS[algo](ckpt_dir, tmp / algo)
+        hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR)
+        write_index(tmp / BASE_DIR)
+        checkpoint.commit_dir(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Path(out_dir)
