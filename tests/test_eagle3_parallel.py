@@ -91,8 +91,8 @@ def random_global_draft(algo):
     return state
 
 
-def global_grads(model):
-    """Draft gradients as global tensors (TP shards gathered via the weight table)."""
+def global_draft_tensors(model, grads=True):
+    """Draft gradients (or weights) as global tensors, TP shards gathered via the weight table."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -101,8 +101,9 @@ def global_grads(model):
     group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     out = {}
     for name, p in model.draft.named_parameters():
-        pieces = [torch.empty_like(p.grad) for _ in range(tp)]
-        dist.all_gather(pieces, p.grad.contiguous(), group=group)
+        local = (p.grad if grads else p.detach()).contiguous()
+        pieces = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(pieces, local, group=group)
         out[name] = mapping.unshard(index[name], pieces)
     return out
 
@@ -114,9 +115,12 @@ def run(algo, global_draft):
     reports = forward_backward(model, batches())
     base_grads = [p.grad for p in model.base.parameters() if p.grad is not None]
     result = {"base_grads": len(base_grads), "last": model.post_process}
+    fresh = build(algo)  # convert's own initialisation must not depend on the layout
+    if fresh.post_process:
+        result["init"] = global_draft_tensors(fresh, grads=False)
     if model.post_process:
         result["report"] = reduce_reports(reports)
-        result["grads"] = global_grads(model)
+        result["grads"] = global_draft_tensors(model)
     return model, result
 
 
@@ -193,6 +197,8 @@ def test_parallel_layouts_match_single_process(reference, tmp_path, tp, pp):
         for key in ("loss", "step_loss", "accuracy", "num_tokens"):
             assert _close(got["report"][key], want["report"][key]), (algo, key, got, want)
         assert set(got["grads"]) == set(want["grads"])
+        for name, weight in want["init"].items():
+            assert torch.equal(got["init"][name], weight), (algo, name)
         for name, grad in want["grads"].items():
             assert grad.abs().max() > 0, (algo, name)
             assert _close(got["grads"][name], grad), (algo, name)

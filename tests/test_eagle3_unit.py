@@ -194,3 +194,30 @@ def test_aux_capture_and_ttt_match_stepwise_drafting(one_process, draft_layers):
                     hidden, logits = ref.step(hidden, tok_emb[ids[0, u + 1]], u, chain)
                 got = ttt[k][u, 0, :300]
                 assert torch.allclose(got, logits, atol=2e-4), (start, k, (got - logits).abs().max())
+
+
+def test_incremental_drafting_api_reproduces_training_time_test(one_process):
+    """How an inference engine drafts: prefill the real pairs once, then one token per call,
+    with the keys/values kept in `kv_blocks`. Each draft step equals the matching TTT step."""
+    model, hf, hf_model = _tiny_model(2)
+    draft, s, start = model.draft, 10, 5
+    ids = torch.randint(0, 512, (1, s), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        state = model.run_base(ids)
+        aux = torch.cat(state.aux, -1)
+        embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])  # embedding of token t+1 at t
+        ttt = draft.training_time_test(aux, embeds, model.rotary_pos_emb(s), None, 3)
+        rope = model.rotary_pos_emb(s)
+        kv_blocks = [[] for _ in draft.layers]
+        n = start + 1
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
+        hidden, logits = draft.step(embeds[:n], draft.project(aux[:n]), rope[:n], causal, kv_blocks)
+        assert torch.allclose(logits[-1], ttt[0][start], atol=1e-5)
+        for k in (1, 2):
+            u = start + k
+            seen = sum(block[0].shape[0] for block in kv_blocks[0]) + 1
+            mask = torch.zeros(1, 1, 1, seen, dtype=torch.bool)  # the new token sees everything
+            hidden, logits = draft.step(embeds[u:u + 1], hidden[-1:], rope[u:u + 1], mask, kv_blocks)
+            assert torch.allclose(logits[0], ttt[k][u], atol=1e-5)
+        top = logits[0, 0].argmax()
+        assert draft.t2d[top + draft.d2t[top]]  # draft id -> target id
