@@ -1,0 +1,46 @@
+"""Train a draft module from a recipe.
+
+    python -m megatron_specdec.train --config recipes/eagle3_smollm2.yaml training.steps=100
+    torchrun --nproc-per-node 8 -m megatron_specdec.train --config recipes/eagle3_llama31_8b.yaml \\
+        model.path=/models/llama31_8b data.train=[/data/regen.jsonl]
+
+Any recipe key can be overridden as `section.key=value` (omegaconf dotlist). Without torchrun
+it runs as one process (tp*pp must then be 1). Outputs under `output_dir`: checkpoints/,
+final/ (speculative checkpoint), train_log.jsonl, tensorboard/, summary.json, recipe.yaml.
+"""
+
+import argparse
+import json
+import sys
+
+from megatron_specdec.cli import run_cli
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. optimizer.lr=3e-4)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    from megatron_specdec.training import load_recipe, train
+    from megatron_specdec.training.evaluation import check_available
+
+    args = parse_args(argv)
+    recipe = load_recipe(args.config, args.overrides)
+    check_available(recipe)
+    summary = train(recipe)
+    if summary and _rank0():
+        print(json.dumps(summary, indent=2))
+
+
+def _rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,98 @@
+"""The speculative model a recipe trains, from whatever `model.path` names:
+
+- a speculative checkpoint: loaded as is (its draft algorithm must be the recipe's);
+- a base megatron_specdec checkpoint, an HF directory, or 'default': the base is loaded and
+  the draft built from `draft` (`convert`), so one command goes from a base model to a
+  trained draft. An EAGLE3 draft vocabulary smaller than the base's is calibrated from the
+  data's token counts (skipped when a checkpoint will supply the draft anyway).
+`attach` initialises the draft from its own seed, so every TP/PP layout starts from the
+same global draft weights.
+"""
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from megatron_specdec import checkpoint, spec_config
+from megatron_specdec.speculative import attach
+from megatron_specdec.default_model import resolve_model_path
+from megatron_specdec.training.recipe import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+def _base_meta(meta: dict) -> dict:
+    return {k: v for k, v in meta.items()
+            if k not in ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel",
+                         "draft", "training_checkpoint")}
+
+
+def load_base(recipe):
+    """(base GPTModel stage, hf_config, base meta, tokenizer dir, stored draft entry or None)."""
+    from megatron_specdec.hf_conversion import base_meta, model_from_hf
+    from megatron_specdec.model_provider import build_model, resolve_transformer_impl
+
+    path = resolve_model_path(recipe.model.path)
+    dtype = checkpoint.dtype_from_name(recipe.model.dtype)
+    if not (path / checkpoint.META_FILE).is_file():
+        impl = resolve_transformer_impl(recipe.model.transformer_impl)
+        base, hf_config = model_from_hf(path, dtype, impl)
+        return base, hf_config, base_meta(hf_config, base, dtype, impl), path, None
+    meta = checkpoint.read_meta(path)
+    hf_config = checkpoint.hf_config_from_meta(meta)
+    base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
+                       transformer_impl=meta["transformer_impl"])
+    return base, hf_config, _base_meta(meta), path / checkpoint.TOKENIZER_DIR, meta.get("draft")
+
+
+def draft_config(recipe, hf_config, stored=None):
+    """The validated draft config: the recipe's, or a speculative checkpoint's own."""
+    if stored is not None:
+        if stored["algo"] != recipe.draft.algo:
+            raise RecipeError(
+                f"recipe key 'draft.algo': {recipe.draft.algo!r}, but {recipe.model.path} holds "
+                f"a {stored['algo']} draft")
+        if recipe.draft.config:
+            log.warning("model.path is a speculative checkpoint: its draft config is used and "
+                        "draft.config is ignored")
+        return spec_config.from_dict(stored)
+    try:
+        return spec_config.parse(recipe.draft.algo, dict(recipe.draft.config),
+                                 hf_config.num_hidden_layers, hf_config.vocab_size)
+    except spec_config.SpecConfigError as e:
+        raise RecipeError(f"recipe key 'draft.config': {e}") from None
+
+
+def _calibrated_vocab(recipe, tokenizer, cfg, vocab_size):
+    """(d2t, t2d) computed on rank 0 and shared (token counting is the slow part)."""
+    from megatron_specdec.data import calibrate
+
+    box = [None]
+    if dist.get_rank() == 0:
+        files = list(recipe.data.calibration or recipe.data.train)
+        vocab = calibrate(files, tokenizer, cfg.draft_vocab_size, vocab_size=vocab_size,
+                          on_error=recipe.data.on_error)
+        box = [(vocab.d2t, vocab.t2d)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def build_speculative(recipe, calibrate: bool = True):
+    """(model, hf_config, base meta, tokenizer, tokenizer dir). The tokenizer is the model's
+    unless the recipe names one; `calibrate=False` when a checkpoint supplies the draft."""
+    from megatron_specdec.data import load_tokenizer
+
+    base, hf_config, meta, tokenizer_dir, stored = load_base(recipe)
+    cfg = draft_config(recipe, hf_config, stored)
+    if recipe.data.tokenizer is not None:
+        tokenizer_dir = resolve_model_path(recipe.data.tokenizer)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    model = attach(base, cfg, hf_config)
+    if stored is not None:
+        checkpoint.load_checkpoint(model, resolve_model_path(recipe.model.path))
+    elif (calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size):
+        d2t, t2d = _calibrated_vocab(recipe, tokenizer, cfg, hf_config.vocab_size)
+        if model.draft is not None:
+            model.draft.set_draft_vocab(d2t, t2d)
+    return model, hf_config, meta, tokenizer, tokenizer_dir

@@ -1,0 +1,129 @@
+"""The freeze-and-train loop: one optimizer step = `global_batch_size` samples through the
+pipeline schedule (the base frozen, gradients only in the draft), data-parallel gradient
+averaging, global-norm clipping, AdamW, the lr schedule as a pure function of the step.
+Checkpoints every `checkpointing.interval` steps and at the end; the trained model (base +
+draft) is written to `<output_dir>/final` as a speculative checkpoint."""
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_specdec import distributed
+from megatron_specdec.speculative import save_speculative, speculative_meta
+from megatron_specdec.training import checkpoints, evaluation, metrics, offline, optimizer
+from megatron_specdec.training.build import build_speculative
+from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
+                                              to_yaml)
+
+log = logging.getLogger(__name__)
+
+FINAL_DIR = "final"
+
+
+def model_batch(batch: dict, pack: bool) -> dict:
+    """A data batch in the model's terms: packed rows attend within their conversation."""
+    from megatron_specdec.data import packed_attention_mask
+
+    out = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"]}
+    if pack:
+        out["attention_mask"] = packed_attention_mask(batch["segment_ids"])
+    out.update({k: v for k, v in batch.items() if k in offline.STATE_KEYS})
+    return {k: v.to(distributed.device()) for k, v in out.items()}
+
+
+def _resume_point(recipe):
+    directory = checkpoint_dir(recipe)
+    found = checkpoints.find_resumable(directory)
+    if found is not None and not recipe.checkpointing.resume:
+        raise RecipeError(
+            f"recipe key 'checkpointing.resume' is false but {directory} holds checkpoints; "
+            f"resume, or choose another checkpointing.directory (nothing is overwritten)")
+    return found
+
+
+def _save_recipe(recipe):
+    if dist.get_rank() == 0:
+        out = Path(recipe.output_dir)
+        name = "recipe.yaml"
+        n = 1
+        while (out / name).exists():  # every launch's recipe is kept
+            name, n = f"recipe.{n}.yaml", n + 1
+        (out / name).write_text(to_yaml(recipe))
+
+
+def train(recipe) -> dict:
+    """Run (or resume) `recipe` in the current process group; returns the summary."""
+    tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
+    distributed.initialize(tp, pp, seed=recipe.training.seed)
+    dp = data_parallel_size(recipe, dist.get_world_size())
+    Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
+    _save_recipe(recipe)
+    resume_from = _resume_point(recipe)
+    model, hf_config, meta, tokenizer, tokenizer_dir = build_speculative(
+        recipe, calibrate=resume_from is None)
+    dataset = offline.training_dataset(recipe, model, tokenizer)
+    params = model.trainable_parameters()
+    opt = optimizer.build_optimizer(params, recipe.optimizer) if params else None
+    state = checkpoints.TrainerState()
+    if resume_from is not None:
+        state = checkpoints.load(resume_from, model, opt)
+        log.info("resumed from %s at step %d", resume_from, state.step)
+    from megatron_specdec.data import BatchIterator
+
+    mbs = recipe.training.micro_batch_size
+    num_micro = recipe.training.global_batch_size // (mbs * dp)
+    batches = BatchIterator(dataset, mbs, seed=recipe.data.seed,
+                            consumed_samples=state.consumed_samples,
+                            data_parallel_rank=ps.get_data_parallel_rank(),
+                            data_parallel_size=dp)
+    ckpt_meta = speculative_meta(meta, model.spec_config)
+    ckpt_meta = dict(ckpt_meta, training_checkpoint={"draft": ckpt_meta.pop("draft"),
+                                                     "base_model": recipe.model.path})
+    reporter = metrics.Reporter(recipe, state.step)
+    forward_backward = offline.forward_backward_func(recipe)
+    total = recipe.training.steps
+    interval = recipe.checkpointing.interval
+    start_time, start_step, last = time.time(), state.step, {}
+    acceptance = None
+    while state.step < total:
+        lr = optimizer.lr_at(state.step, recipe.optimizer, total)
+        step_batches = [model_batch(next(batches), recipe.data.pack) for _ in range(num_micro)]
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad(set_to_none=False)
+        reports = forward_backward(model, step_batches)
+        optimizer.average_data_parallel_grads(params)
+        grad_norm = optimizer.clip_grad_norm(params, recipe.optimizer.clip_grad)
+        if opt is not None:
+            opt.step()
+        last = metrics.step_stats(reports, metrics.num_draft_steps(model.spec_config))
+        state.step += 1
+        state.consumed_samples = batches.consumed_samples
+        state.tokens += last["tokens"]
+        reporter.step(state.step, last, lr, grad_norm,
+                      recipe.training.global_batch_size * recipe.data.seq_length)
+        if (interval and state.step % interval == 0) or state.step == total:
+            checkpoints.save(checkpoint_dir(recipe), state.step, model, opt, state, ckpt_meta,
+                             recipe.checkpointing.keep_last)
+        if evaluation.due(recipe, state.step):
+            acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
+    final = Path(recipe.output_dir) / FINAL_DIR
+    save_speculative(model, final, meta, tokenizer_dir, overwrite=True)
+    elapsed = time.time() - start_time
+    summary = {
+        "steps": state.step, "steps_this_run": state.step - start_step,
+        "consumed_samples": state.consumed_samples, "scored_tokens": state.tokens,
+        "seconds_this_run": elapsed, "resumed_from": str(resume_from) if resume_from else None,
+        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
+        "acceptance": acceptance, "final_checkpoint": str(final),
+        "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(dataset),
+        "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": dp,
+        "algo": model.spec_config.algo, "mode": recipe.training.mode,
+    }
+    reporter.close(summary)
+    return summary
