@@ -218,6 +218,11 @@ double block_sum(const double* x, int64_t n) {
 }
 
 SPECDEC_SIMD_CLONES
+void floats_to_double(const float* row, int64_t n, double* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = row[j];
+}
+
+SPECDEC_SIMD_CLONES
 void block_div(double* x, int64_t n, double divisor) {
   for (int64_t j = 0; j < n; ++j) x[j] /= divisor;
 }

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace specdec {
@@ -42,10 +43,16 @@ bool block_residual(const double* w, const double* q, double* out, int64_t n, do
 // Index of the first weight whose running sum exceeds u * total (u in [0, 1)).
 int64_t sample_weights(const double* w, int64_t n, double u);
 
+void floats_to_double(const float* row, int64_t n, double* out);  // SIMD clones of the loop below
+
 // Copies row[0:n] into out as float64.
 template <typename T>
 inline void to_double(const T* row, int64_t n, double* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<double>(row[j]);
+  if constexpr (std::is_same_v<T, float>) {
+    floats_to_double(row, n, out);
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = static_cast<double>(row[j]);
+  }
 }
 
 // Copies logits[0:n] / temperature into out as float64.
