@@ -11,7 +11,7 @@
 #include <functional>
 #include <limits>
 
-// GCC/Clang emit one copy per ISA and pick at load time; the loops below are
+// GCC emits one copy per ISA and picks one at load time; the loops below are
 // written so the compiler vectorises them (no intrinsics to maintain).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SPECDEC_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
