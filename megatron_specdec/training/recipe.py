@@ -25,7 +25,7 @@ class RecipeError(ValueError):
 class ModelConfig:
     # An HF model directory, 'default' (the embedded SmolLM2), a base megatron_specdec
     # checkpoint, or a speculative one (then `draft` must describe the same algorithm).
-    path: str = "default"
+    path: str = MISSING
     dtype: str = "float32"
     transformer_impl: str = "auto"
 
