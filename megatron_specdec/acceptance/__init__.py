@@ -46,8 +46,12 @@ one target token (the correction at the first rejection, or the bonus token).
         Medusa candidates per request, put them in the batch and keep the longest.
         -> tokens [B,K+1], counts [B]
 
-The raw ops take the random numbers as an argument: ``uniforms`` float32 [B,K+1]
-(chain: K accept tests, then one draw) or [B,N+1] (tree: one per node, then one draw).
+The raw ops (torch.ops.megatron_specdec.*: greedy_chain_verify, greedy_chain_verify_ids,
+stochastic_chain_verify, tree_verify_greedy, tree_verify_stochastic, typical_verify; schemas
+in csrc/ops.cpp) take the random numbers as an argument: ``uniforms`` float32 [B,K+1]
+(chain: K accept tests, then one draw) or [B,N+1] (tree: one per node, then one draw),
+so a given generator state yields the same tokens on every path. On CUDA the ops copy
+the small index tensors to the host for checks and sync once to report value errors.
 """
 from megatron_specdec.acceptance.ops import (
     extension_available,
