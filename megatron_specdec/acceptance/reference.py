@@ -97,7 +97,7 @@ def stochastic_chain_verify(
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
-        q_draft = draft_probs.double().gather(-1, draft_ids[..., None]).squeeze(-1)
+        q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1).double()
     u = uniforms.double()
     counts = _prefix_counts(u[:, :k] * q_draft < p_draft, draft_lens)
     weights = p[rows, counts]
