@@ -4,7 +4,8 @@ Face layout TensorRT-LLM, vLLM and SGLang load.
     # the EAGLE3 draft alone (LlamaForCausalLMEagle3: config.json + model.safetensors)
     python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3
     # base model and draft side by side: OUT/base and OUT/eagle3 (or OUT/medusa)
-    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 --out runs/hf/full --full
+    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 \\
+        --out runs/hf/full --full
 
 Medusa heads are written in the FasterDecoding layout (config.json +
 medusa_lm_head.safetensors). The output is written to a temporary directory beside --out and
@@ -20,7 +21,8 @@ from megatron_specdec.cli import run_cli
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="speculative checkpoint directory")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--full", action="store_true",
@@ -39,7 +41,8 @@ def main(argv=None):
     start = time.time()
     if args.full:
         if args.dtype:
-            raise ValueError("--dtype applies to a draft-only export; --full keeps the checkpoint's dtype")
+            raise ValueError("--dtype applies to a draft-only export; "
+                             "--full keeps the checkpoint's dtype")
         full_export.export_full(args.ckpt, args.out, overwrite=args.overwrite)
     else:
         algo = checkpoint.read_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")

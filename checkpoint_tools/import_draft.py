@@ -19,13 +19,15 @@ from megatron_specdec.cli import run_cli
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", required=True, help="HF EAGLE3 draft directory")
     p.add_argument("--model_path", required=True,
                    help="base Megatron checkpoint (a speculative one: its draft is replaced)")
     p.add_argument("--export_dir", required=True, help="speculative checkpoint directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to save at (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to save at (default 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline parallel size to save at (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_dir")
     return p.parse_args(argv)
 
@@ -37,7 +39,8 @@ def main(argv=None):
     start = time.time()
     import_eagle3(args.draft, args.model_path, args.export_dir, tp=args.tp, pp=args.pp,
                   overwrite=args.overwrite)
-    logging.getLogger("import_draft").info("wrote %s in %.1f s", args.export_dir, time.time() - start)
+    logging.getLogger("import_draft").info("wrote %s in %.1f s", args.export_dir,
+                                           time.time() - start)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,8 @@ def test_eagle3_config_and_tensors(exported, ckpts):
     assert torch.equal(tensors["midlayer.self_attn.k_proj.weight"], k.reshape(48, 192))
     assert torch.equal(tensors["midlayer.self_attn.v_proj.weight"], v.reshape(48, 192))
     proj = plain["eagle3.layers.0.self_attention.linear_proj.weight"]
-    assert proj.shape == (96, 128) and torch.equal(tensors["midlayer.self_attn.o_proj.weight"], proj[:, :96])
+    assert proj.shape == (96, 128)
+    assert torch.equal(tensors["midlayer.self_attn.o_proj.weight"], proj[:, :96])
 
 
 def test_multi_layer_draft_uses_layers_i(exported):
@@ -181,7 +182,8 @@ def test_medusa_fasterdecoding_layout(exported, ckpts):
     from megatron_specdec.export.medusa_hf import tensor_shapes
 
     directory = exported["medusa", "pp2"]
-    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == ["config.json", "medusa_lm_head.safetensors"]
     config, tensors = _read(directory)
     assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 2
     assert config["hidden_size"] == 96 and config["vocab_size"] == 500
@@ -191,7 +193,8 @@ def test_medusa_fasterdecoding_layout(exported, ckpts):
         for j in range(2):
             w = plain[f"medusa.heads.{i}.blocks.{j}.linear.weight"]
             assert torch.equal(tensors[f"{i}.{j}.linear.weight"], w) and w.abs().sum() > 0
-        assert torch.equal(tensors[f"{i}.2.weight"], plain[f"medusa.heads.{i}.lm_head.weight"][:500])
+        lm_head = plain[f"medusa.heads.{i}.lm_head.weight"]
+        assert lm_head.shape == (512, 96) and torch.equal(tensors[f"{i}.2.weight"], lm_head[:500])
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
@@ -218,6 +221,31 @@ def _cli(argv, capsys):
 
     code = run_cli(lambda: export_draft.main([str(a) for a in argv]))
     return code, capsys.readouterr().err
+
+
+def test_full_export(ckpts, exported, tmp_path, capsys):
+    """out/base (transformers loads it; an index names every tensor) beside out/eagle3 (the
+    draft-only export's bytes); Medusa goes to out/medusa."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_specdec.export.full_export import export_full
+
+    out = tmp_path / "full"
+    code, err = _cli(["--ckpt", ckpts / "eagle3_pp2", "--out", out, "--full"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["base", "eagle3"]
+    draft = exported["eagle3", "tp2"] / "model.safetensors"
+    assert (out / "eagle3" / "model.safetensors").read_bytes() == draft.read_bytes()
+    index = json.loads((out / "base" / "model.safetensors.index.json").read_text())
+    weights = load_file(str(out / "base" / "model.safetensors"))
+    assert set(index["weight_map"]) == set(weights)
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    assert index["metadata"]["total_size"] == size
+    model = AutoModelForCausalLM.from_pretrained(out / "base")
+    assert model.config.vocab_size == 500 and model.model.embed_tokens.weight.shape == (500, 96)
+    medusa = export_full(ckpts / "medusa_tp1", tmp_path / "medusa_full")
+    assert sorted(p.name for p in medusa.iterdir()) == ["base", "medusa"]
 
 
 @pytest.mark.parametrize("extra", [[], ["--full"]], ids=["draft", "full"])

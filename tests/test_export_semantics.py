@@ -1,11 +1,11 @@
 """The exported EAGLE3 draft means what the Megatron draft computes, on SmolLM2.
 
 A SmolLM2 speculative checkpoint (random, active draft; 1024-id draft vocabulary calibrated
-on GSM8K) is exported with the
-base (`export_full`: out/base + out/eagle3). An independent plain-PyTorch EAGLE3 drafter that
-reads only those files (base embedding found through model.safetensors.index.json, aux states
-from transformers' hidden_states[i + 1] = output of layer i, fc, the 2h attention input with
-the embedding first, RoPE with the config's rope_theta, GQA, d2t) drafts greedy chains; the
+on GSM8K) is exported with the base (`export_full`: out/base + out/eagle3). An independent
+plain-PyTorch EAGLE3 drafter that reads only those files (base embedding found through
+model.safetensors.index.json, aux states from transformers' hidden_states[i + 1] = output of
+layer i, fc, the 2h attention input with the embedding first, RoPE with the config's
+rope_theta, GQA, d2t) drafts greedy chains; the
 Megatron draft drafts the same chains through its own step() with the training-time-test
 masks. Logits agree to 1e-4 (float32) and the drafted tokens are the same.
 """
@@ -58,7 +58,8 @@ def megatron_chains(model, prompt_ids):
         for k in range(1 if t0 is None else STEPS):
             if k:
                 hidden = shift_right(hidden)
-            hidden, step_logits = draft.step(embeds, hidden, rope, ttt_attention_mask(None, s, k), kv)
+            mask = ttt_attention_mask(None, s, k)
+            hidden, step_logits = draft.step(embeds, hidden, rope, mask, kv)
             if t0 is None:
                 out["step0"] = step_logits[: s - 1, 0, : cfg.draft_vocab_size].clone()
                 break
@@ -138,7 +139,8 @@ class HFDrafter:
         values = torch.stack([vv for _, vv in cache]).repeat_interleave(rep, 1)
         q = _rope(q, float(pos), c["rope_theta"])
         att = torch.softmax(torch.einsum("hd,thd->ht", q, keys) / self.hd ** 0.5, dim=-1)
-        hidden = hidden + w[p + "self_attn.o_proj.weight"] @ torch.einsum("ht,thd->hd", att, values).reshape(-1)
+        context = torch.einsum("ht,thd->hd", att, values).reshape(-1)
+        hidden = hidden + w[p + "self_attn.o_proj.weight"] @ context
         y = _rms(hidden, w[p + "post_attention_layernorm.weight"], eps)
         hidden = hidden + w[p + "mlp.down_proj.weight"] @ (
             F.silu(w[p + "mlp.gate_proj.weight"] @ y) * (w[p + "mlp.up_proj.weight"] @ y))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_specdec import checkpoint, distributed
-from test_export_eagle3 import make_checkpoints
+from test_export_eagle3 import make_checkpoints, tiny_hf_config
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def _copy_draft(draft_dir, dst, config_edit=None, drop=()):
     ({"hidden_size": 128}, (), "draft hidden_size=128 does not match the target model's 96"),
     ({"target_hidden_size": 128}, (), "draft target_hidden_size=128 does not match"),
     ({"vocab_size": 32000}, (), "draft vocab_size=32000 does not match the target model's 500"),
-    ({"rope_theta": 10000.0}, (), "draft rope_theta=10000.0 does not match the target model's 5000.0"),
+    ({"rope_theta": 10000.0}, (), "rope_theta=10000.0 does not match the target model's 5000.0"),
     ({}, ("midlayer.mlp.down_proj.weight",), "tensor 'midlayer.mlp.down_proj.weight' is missing"),
     ({"draft_vocab_size": 256}, (), "tensor 'lm_head.weight'"),
     ({"architectures": ["LlamaForCausalLM"]}, (), "not an EAGLE3 draft"),
@@ -108,3 +108,24 @@ def test_d2t_t2d_disagreement_is_refused(draft_dir, ckpts, tmp_path):
     with pytest.raises(DraftMismatchError, match="d2t and t2d disagree"):
         import_eagle3(bad, ckpts / "base", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_published_style_draft(draft_dir):
+    """EAGLE/SpecForge-style drafts: a shipped embed_tokens.weight is ignored (the draft shares
+    the base's), no aux ids in the config means the default for the base, and without d2t/t2d
+    a full-vocabulary draft gets the identity mapping."""
+    from megatron_specdec.export import draft_import
+
+    config, tensors = draft_import.read_hf_draft(draft_dir)
+    del config["eagle_config"], config["eagle_aux_hidden_state_layer_ids"]
+    config["draft_vocab_size"] = 500
+    tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    tensors["lm_head.weight"] = torch.zeros(500, 96)
+    tensors["embed_tokens.weight"] = torch.zeros(500, 96)
+    base = tiny_hf_config()
+    draft_import.check_fits(config, base)
+    cfg = draft_import.draft_config(config, tensors, base)
+    assert cfg.aux_layer_ids == [1, 1, 0] and cfg.draft_vocab_size == 500
+    kept = draft_import.check_tensors(config, cfg, tensors, draft_dir)
+    assert "embed_tokens.weight" not in kept
+    assert torch.equal(kept["d2t"], torch.zeros(500, dtype=torch.int64)) and bool(kept["t2d"].all())

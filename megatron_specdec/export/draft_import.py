@@ -40,7 +40,8 @@ def read_hf_draft(draft_dir):
 
     draft_dir = Path(draft_dir)
     if not (draft_dir / eagle3_hf.CONFIG).is_file():
-        raise FileNotFoundError(f"{draft_dir}/{eagle3_hf.CONFIG} not found: not an HF draft directory")
+        raise FileNotFoundError(
+            f"{draft_dir}/{eagle3_hf.CONFIG} not found: not an HF draft directory")
     config = json.loads((draft_dir / eagle3_hf.CONFIG).read_text())
     return config, read_hf_state(draft_dir)
 
@@ -115,7 +116,8 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
                                           cfg.use_input_layernorm_in_first_layer})
     expected = eagle3_hf.tensor_shapes(shape_config)
     tensors = {k: v for k, v in tensors.items() if k not in _IGNORED}
-    if "d2t" not in tensors and "t2d" not in tensors and cfg.draft_vocab_size == config["vocab_size"]:
+    full_vocab = cfg.draft_vocab_size == config["vocab_size"]
+    if "d2t" not in tensors and "t2d" not in tensors and full_vocab:
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         tensors["t2d"] = torch.ones(config["vocab_size"], dtype=torch.bool)
     unknown = sorted(set(tensors) - set(expected))
@@ -174,14 +176,16 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False):
     check_fits(config, base)
     cfg = draft_config(config, tensors, base)
     tensors = check_tensors(config, cfg, tensors, draft_dir)
-    families.transformer_config(base, tp=tp, pp=pp, num_query_groups=meta["padding"]["query_groups"])
+    families.transformer_config(base, tp=tp, pp=pp,
+                                num_query_groups=meta["padding"]["query_groups"])
     checkpoint.check_output_dir(out_ckpt, overwrite, "checkpoint directory")
     dtype = checkpoint.dtype_from_name(meta["dtype"])
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     global_draft = mapping.hf_to_megatron(eagle3.rules(cfg), tensors,
                                           eagle3.geometry(base, meta["padding"], cfg),
                                           cfg.eagle_num_layers)
-    args = (str(base_ckpt), str(out_ckpt), spec_config.to_dict(cfg), global_draft, tp, pp, overwrite)
+    args = (str(base_ckpt), str(out_ckpt), spec_config.to_dict(cfg), global_draft, tp, pp,
+            overwrite)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == tp * pp and (dist.is_initialized() or tp * pp == 1):
         _import_worker(*args)

@@ -36,7 +36,8 @@ def hf_config(base, cfg, dtype_name: str) -> dict:
     """config.json of the draft: the base's Llama fields (the draft layer is built from the
     base's TransformerConfig) and the rope settings the draft used in training (the base's)."""
     rope = families.rope_settings(base)  # also refuses scalings training could not have used
-    scaling = dict(getattr(base, "rope_scaling", None) or getattr(base, "rope_parameters", None) or {})
+    scaling = getattr(base, "rope_scaling", None) or getattr(base, "rope_parameters", None)
+    scaling = dict(scaling or {})
     scaling.pop("rope_theta", None)
     head_dim = families.head_dim(base)
     if head_dim * base.num_attention_heads != base.hidden_size:

@@ -53,7 +53,8 @@ def _layer_params(prefix: str, c: dict) -> dict:
     h, q, kv, inter, _, _ = _dims(c)
     p = prefix
     return {
-        p + "self_attn.qkv_proj.weight[q]": (q, 2 * h), p + "self_attn.qkv_proj.weight[k]": (kv, 2 * h),
+        p + "self_attn.qkv_proj.weight[q]": (q, 2 * h),
+        p + "self_attn.qkv_proj.weight[k]": (kv, 2 * h),
         p + "self_attn.qkv_proj.weight[v]": (kv, 2 * h), p + "self_attn.o_proj.weight": (h, q),
         p + "mlp.gate_up_proj.weight[0]": (inter, h), p + "mlp.gate_up_proj.weight[1]": (inter, h),
         p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
@@ -117,7 +118,8 @@ class EngineLoader:
 ENGINES = {
     "vllm": EngineLoader(
         "vLLM", "vllm/model_executor/models/llama_eagle3.py", _vllm_rename,
-        lambda c: {**_layer_params("model.layers.0.", c), **_head_params(c, "draft_id_to_target_id")},
+        lambda c: {**_layer_params("model.layers.0.", c),
+                   **_head_params(c, "draft_id_to_target_id")},
         ("model.embed_tokens.weight",),
         _LLAMA_KEYS + ("hidden_act", "head_dim", "eagle_aux_hidden_state_layer_ids")),
     "sglang": EngineLoader(
