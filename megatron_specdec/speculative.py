@@ -23,9 +23,8 @@ def _base_lm_head(model):
 
 
 def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int = 1234):
-    """This stage's draft module (None before the last stage). Initialised from its own
-    seed, so the initial draft does not depend on the TP/PP layout (on CPU, where megatron
-    initialises full weights and slices them) or on how much of the base this stage built."""
+    """This stage's draft module (None before the last stage), initialised from its own seed
+    so a conversion is reproducible whatever the base stage consumed of the random stream."""
     if not model.post_process:
         return None
     with torch.random.fork_rng(devices=[]):

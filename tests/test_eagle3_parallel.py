@@ -1,9 +1,12 @@
 """EAGLE3 and Medusa at TP=2, PP=2 and TP2xPP2 against one process: same loss, per-step
-statistics and draft gradients (float32, 1e-5). Also: the base stays frozen, and a
-speculative checkpoint saved at TP=2 loads at PP=2 with the same loss.
+statistics and draft gradients (float32, 1e-5). Also: the base stays frozen, padded query
+groups hold zeros (and get zero gradients), and a speculative checkpoint saved at TP=2 loads
+at PP=2 with the same loss.
 
-Every layout starts from the same global weights: a seeded random HF Llama for the base and
-a seeded draft state dict (global Megatron tensors) sharded through the draft weight tables.
+The model is SmolLM2-shaped in miniature: 3 query groups (zero-padded to 4 at TP=2) and a
+500-token vocabulary (padded to 512). Every layout starts from the same weights, exchanged
+in the HF layout through the weight tables (which drop and re-add the padding): a seeded
+random HF Llama for the base and a seeded HF-layout draft.
 """
 
 import pytest
@@ -16,14 +19,14 @@ ALGOS = {
     "eagle3": {"draft_vocab_size": 300, "ttt_steps": 3, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
     "medusa": {"medusa_num_heads": 3, "medusa_num_layers": 2},
 }
-SEQ, MICRO_BATCH, NUM_MICRO = 16, 2, 2
+SEQ, MICRO_BATCH, NUM_MICRO, VOCAB = 16, 2, 2, 500
 
 
 def tiny_hf_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+    return LlamaConfig(num_hidden_layers=4, hidden_size=96, num_attention_heads=6,
+                       num_key_value_heads=3, intermediate_size=128, vocab_size=VOCAB,
                        max_position_embeddings=64, tie_word_embeddings=True,
                        rms_norm_eps=1e-5)
 
@@ -34,28 +37,29 @@ def batches():
     for _ in range(NUM_MICRO):
         mask = torch.ones(MICRO_BATCH, SEQ)
         mask[:, :4] = 0  # a "prompt" that is never scored
-        out.append({"input_ids": torch.randint(0, 512, (MICRO_BATCH, SEQ), generator=g),
+        out.append({"input_ids": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
                     "loss_mask": mask})
     return out
 
 
-def draft_rules(model):
+def draft_table(model):
+    """(rules, count to expand them over, geometry) of this model's draft."""
     from megatron_specdec.weights import eagle3, medusa
 
-    cfg = model.spec_config
+    cfg, hf = model.spec_config, tiny_hf_config()
     if cfg.algo == "eagle3":
-        return eagle3.rules(cfg), cfg.eagle_num_layers
-    return medusa.rules(cfg), cfg.medusa_num_heads
+        return eagle3.rules(cfg), cfg.eagle_num_layers, eagle3.geometry(hf, model.base.padding, cfg)
+    return medusa.rules(cfg), cfg.medusa_num_heads, mapping.Geometry.from_hf(hf, model.base.padding)
 
 
-def build(algo, global_draft=None):
-    """This rank's speculative model over the seeded base; the draft from `global_draft`."""
+def build(algo, hf_draft=None):
+    """This rank's speculative model over the seeded base; the draft from `hf_draft`."""
     from megatron.core import parallel_state as ps
     from transformers import LlamaForCausalLM
 
-    from megatron_specdec.speculative import convert
     from megatron_specdec.hf_conversion import load_hf_into_model
     from megatron_specdec.model_provider import build_model
+    from megatron_specdec.speculative import convert
 
     hf = tiny_hf_config()
     torch.manual_seed(0)
@@ -63,17 +67,17 @@ def build(algo, global_draft=None):
     base = build_model(hf)
     load_hf_into_model(base, hf, hf_state)
     model = convert(base, algo, ALGOS[algo], hf_config=hf)
-    if global_draft is not None and model.draft is not None:
-        rules, n = draft_rules(model)
-        mapping.load_into_model(model.draft, rules, global_draft, n, 0,
-                                ps.get_tensor_model_parallel_rank(),
+    if hf_draft is not None and model.draft is not None:
+        rules, n, geo = draft_table(model)
+        mapping.load_into_model(model.draft, rules, mapping.hf_to_megatron(rules, hf_draft, geo, n),
+                                n, 0, ps.get_tensor_model_parallel_rank(),
                                 ps.get_tensor_model_parallel_world_size())
     return model
 
 
-def random_global_draft(algo):
-    """A seeded draft state (one process, TP=1: local = global), perturbed so no weight is
-    trivially zero, with a non-identity draft vocabulary for EAGLE3."""
+def random_hf_draft(algo):
+    """A seeded HF-layout draft (built in one process), perturbed so no weight is trivially
+    zero, with a non-identity draft vocabulary for EAGLE3."""
     model = build(algo)
     g = torch.Generator().manual_seed(3)
     state = {}
@@ -84,43 +88,50 @@ def random_global_draft(algo):
             t = t + 0.05 * torch.randn(t.shape, generator=g)
         state[name] = t.clone()
     if algo == "eagle3":
-        targets = torch.randperm(512, generator=g)[:300].sort().values
+        targets = torch.randperm(VOCAB, generator=g)[:300].sort().values
         state["d2t"] = targets - torch.arange(300)
-        state["t2d"] = torch.zeros(512, dtype=torch.bool)
+        state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
         state["t2d"][targets] = True
-    return state
+    rules, n, geo = draft_table(model)
+    return mapping.megatron_to_hf(rules, state, geo, n)
 
 
-def global_draft_tensors(model, grads=True):
-    """Draft gradients (or weights) as global tensors, TP shards gathered via the weight table."""
+def hf_draft_tensors(model, grads=True):
+    """Draft gradients (or weights) in the HF layout: TP shards gathered, padding dropped.
+    Padded query groups and vocabulary rows must hold exact zeros (checked)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    rules, n = draft_rules(model)
+    rules, n, geo = draft_table(model)
     index = mapping.rule_index(rules, n)
     group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    out = {}
+    meg = {}
     for name, p in model.draft.named_parameters():
         local = (p.grad if grads else p.detach()).contiguous()
         pieces = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(pieces, local, group=group)
-        out[name] = mapping.unshard(index[name], pieces)
-    return out
+        meg[name] = mapping.unshard(index[name], pieces)
+    hf = mapping.megatron_to_hf([r for r in rules if r.megatron not in ("d2t", "t2d")], meg, geo, n)
+    padded = mapping.hf_to_megatron([r for r in rules if r.megatron not in ("d2t", "t2d")], hf, geo, n)
+    for name, t in meg.items():
+        if index[name].kind in ("qkv", "heads_in") or (grads and index[name].kind == "vocab"):
+            assert torch.equal(padded[name], t), f"{name}: padding is not zero"
+    return hf
 
 
-def run(algo, global_draft):
+def run(algo, hf_draft):
     from megatron_specdec.spec_model import forward_backward, reduce_reports
 
-    model = build(algo, global_draft)
+    model = build(algo, hf_draft)
     reports = forward_backward(model, batches())
     base_grads = [p.grad for p in model.base.parameters() if p.grad is not None]
     result = {"base_grads": len(base_grads), "last": model.post_process}
-    fresh = build(algo)  # convert's own initialisation must not depend on the layout
+    fresh = build(algo)
     if fresh.post_process:
-        result["init"] = global_draft_tensors(fresh, grads=False)
+        hf_draft_tensors(fresh, grads=False)  # convert zero-initialises padded query groups
     if model.post_process:
         result["report"] = reduce_reports(reports)
-        result["grads"] = global_draft_tensors(model)
+        result["grads"] = hf_draft_tensors(model)
     return model, result
 
 
@@ -176,7 +187,7 @@ def reference(tmp_path_factory):
 
 def _reference_worker(out_file):
     distributed.initialize(1, 1)
-    drafts = {algo: random_global_draft(algo) for algo in ALGOS}
+    drafts = {algo: random_hf_draft(algo) for algo in ALGOS}
     results = {algo: run(algo, drafts[algo])[1] for algo in ALGOS}
     torch.save({"drafts": drafts, "results": results}, out_file)
 
@@ -197,8 +208,6 @@ def test_parallel_layouts_match_single_process(reference, tmp_path, tp, pp):
         for key in ("loss", "step_loss", "accuracy", "num_tokens"):
             assert _close(got["report"][key], want["report"][key]), (algo, key, got, want)
         assert set(got["grads"]) == set(want["grads"])
-        for name, weight in want["init"].items():
-            assert torch.equal(got["init"][name], weight), (algo, name)
         for name, grad in want["grads"].items():
             assert grad.abs().max() > 0, (algo, name)
             assert _close(got["grads"][name], grad), (algo, name)
