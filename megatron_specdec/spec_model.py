@@ -10,7 +10,6 @@ output_layer.*); the draft adds `eagle3.*` or `medusa.*`. A base checkpoint ther
 into the base half, and a speculative checkpoint reshards like any dist checkpoint.
 """
 
-from functools import partial
 from typing import Optional
 
 import torch
@@ -94,7 +93,8 @@ class SpeculativeGPTModel(MegatronModule):
         """(final hidden [s, b, h], this rank's base logits [s, b, Vp/TP]) on the last stage."""
         base = self.base
         hidden = base.decoder.final_layernorm(residual)
-        weight = base.shared_embedding_or_output_weight() if base.share_embeddings_and_output_weights else None
+        tied = base.share_embeddings_and_output_weights
+        weight = base.shared_embedding_or_output_weight() if tied else None
         logits, _ = base.output_layer(hidden, weight=weight)
         return hidden, logits
 
@@ -151,23 +151,6 @@ def forward_step(data_iterator, model):
     return model(batch["input_ids"], batch["loss_mask"], batch.get("attention_mask")), losses.loss_func
 
 
-def _cpu_schedule_literals():
-    """The schedules also allocate `torch.zeros(..., device="cuda")`; cpu_compat's shim
-    covers only `torch.tensor`. Extend it here until cpu_compat does (asked for in issue 3)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    shim = schedules.torch
-    if torch.cuda.is_available() or shim is torch or "zeros" in type(shim).__dict__:
-        return
-
-    def zeros(*args, **kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
-
-    type(shim).zeros = staticmethod(zeros)
-
-
 def forward_backward(model, batches, forward_only: bool = False):
     """Run `batches` (a list of micro-batches) through megatron's pipeline schedule.
 
@@ -175,7 +158,6 @@ def forward_backward(model, batches, forward_only: bool = False):
     the draft parameters' `.grad`."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _cpu_schedule_literals()
     b, s = batches[0]["input_ids"].shape
     return get_forward_backward_func()(
         forward_step_func=forward_step,
