@@ -36,13 +36,16 @@ def model_batch(batch: dict, pack: bool) -> dict:
 
 
 def _resume_point(recipe):
+    """The checkpoint to resume from (None: a fresh run). A fresh run never reuses a
+    directory that holds checkpoints."""
     directory = checkpoint_dir(recipe)
-    found = checkpoints.find_resumable(directory)
-    if found is not None and not recipe.checkpointing.resume:
+    if recipe.checkpointing.resume:
+        return checkpoints.find_resumable(directory)
+    if checkpoints.checkpoints_in(directory):
         raise RecipeError(
             f"recipe key 'checkpointing.resume' is false but {directory} holds checkpoints; "
             f"resume, or choose another checkpointing.directory (nothing is overwritten)")
-    return found
+    return None
 
 
 def _save_recipe(recipe):
@@ -60,9 +63,9 @@ def train(recipe) -> dict:
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     distributed.initialize(tp, pp, seed=recipe.training.seed)
     dp = data_parallel_size(recipe, dist.get_world_size())
+    resume_from = _resume_point(recipe)
     Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
     _save_recipe(recipe)
-    resume_from = _resume_point(recipe)
     model, hf_config, meta, tokenizer, tokenizer_dir = build_speculative(
         recipe, calibrate=resume_from is None)
     dataset = offline.training_dataset(recipe, model, tokenizer)

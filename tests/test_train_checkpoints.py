@@ -1,0 +1,106 @@
+"""Training checkpoints and bad input through the trainer: a truncated, altered or
+half-written checkpoint is refused with the reason and the previous good one is used (the
+bad one kept aside); bad jsonl rows are reported with file and line, skipped or fatal as
+configured; a run never overwrites what an output directory holds."""
+
+import shutil
+
+import pytest
+
+import train_support as ts
+from megatron_specdec.checkpoint import CheckpointError
+from megatron_specdec.training import checkpoints
+from megatron_specdec.training.metrics import read_log
+
+BAD_ROWS = [(3, "{not json"), (6, '{"id": "x", "text": "no conversations"}')]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-step run (checkpoints at 2 and 4) on data with two bad rows."""
+    root = tmp_path_factory.mktemp("train_ckpt")
+    model = ts.make_tiny_model(root / "model")
+    data = ts.write_conversations(root / "conv.jsonl", bad_lines=BAD_ROWS)
+    out = root / "run"
+    argv = ts.overrides(model, data, out, **{"optimizer.decay": "constant",
+                                             "checkpointing.keep_last": 3})
+    summary = ts.run(argv, log_file=root / "run.log")
+    assert summary["steps"] == 4, summary
+    return root, model, data, out, argv
+
+
+def _copy(trained, tmp_path, step=4):
+    out = trained[3]
+    dst = tmp_path / f"step_{step:07d}"
+    shutil.copytree(checkpoints.step_dir(out / "checkpoints", step), dst)
+    return dst
+
+
+def test_bad_rows_reported_with_file_and_line(trained):
+    root, _, data, _, _ = trained
+    text = (root / "run.log").read_text()
+    assert f"{data}:3: invalid JSON" in text
+    assert f"{data}:6: " in text
+
+
+def test_bad_rows_fatal_when_configured(trained, tmp_path):
+    _, model, data, _, _ = trained
+    result = ts.run(ts.overrides(model, data, tmp_path / "fail", **{"data.on_error": "fail"}))
+    assert result.startswith("error: DataError") and f"{data}:3" in result, result
+
+
+def test_intact_checkpoint_verifies(trained, tmp_path):
+    checkpoints.verify(_copy(trained, tmp_path))
+
+
+@pytest.mark.parametrize("damage,reason", [
+    ("truncate", "truncated or altered"),
+    ("flip", r"corrupt \(sha256 mismatch\)"),
+    ("no_manifest", "manifest.json is missing"),
+    ("no_meta", "specdec_checkpoint.json is missing"),
+])
+def test_damaged_checkpoint_refused_with_reason(trained, tmp_path, damage, reason):
+    path = _copy(trained, tmp_path)
+    data_file = sorted(path.glob("*.distcp"))[0]
+    if damage == "truncate":
+        data_file.write_bytes(data_file.read_bytes()[:-100])
+    elif damage == "flip":
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data_file.write_bytes(bytes(raw))
+    elif damage == "no_manifest":
+        (path / checkpoints.MANIFEST).unlink()
+    else:
+        (path / "specdec_checkpoint.json").unlink()
+    with pytest.raises(CheckpointError, match=reason):
+        checkpoints.verify(path)
+
+
+def test_corrupt_latest_falls_back_and_nothing_is_lost(trained):
+    _, model, data, out, argv = trained
+    before = {s: r["loss"] for s, r in read_log(out).items()}
+    latest = checkpoints.step_dir(out / "checkpoints", 4)
+    victim = sorted(latest.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    summary = ts.run(argv + ["training.steps=6"], log_file=out.parent / "resume.log")
+    assert summary["resumed_from"].endswith("step_0000002"), summary
+    assert "refusing checkpoint" in (out.parent / "resume.log").read_text()
+    assert "truncated or altered" in (out.parent / "resume.log").read_text()
+    assert (out / "checkpoints" / "step_0000004.corrupt").is_dir()  # kept, not deleted
+    after = read_log(out)
+    assert sorted(after) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4):  # recomputed from step 2's checkpoint: the same losses
+        assert abs(after[step]["loss"] - before[step]) <= 1e-6, (step, after, before)
+    assert (out / "recipe.yaml").is_file() and (out / "recipe.1.yaml").is_file()
+    events = [line for line in (out / "train_log.jsonl").read_text().splitlines()
+              if '"event": "resume"' in line]
+    assert len(events) == 1
+    checkpoints.verify(checkpoints.step_dir(out / "checkpoints", 6))
+
+
+def test_no_resume_refuses_existing_checkpoints(trained):
+    _, model, data, out, argv = trained
+    listing = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    result = ts.run(argv + ["checkpointing.resume=false"])
+    assert result.startswith("error: RecipeError") and "checkpointing.resume" in result, result
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listing
