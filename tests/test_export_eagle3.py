@@ -275,6 +275,18 @@ def test_wrong_algorithm_and_overwrite(ckpts, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]  # no temporary left behind
 
 
+def test_unmapped_draft_tensor_is_an_error(ckpts):
+    """A draft tensor the weight table has no HF name for (a Qwen2 q/k/v bias, Qwen3 q/k norms)
+    stops the export by name instead of being dropped."""
+    from megatron_specdec.export import draft_source, eagle3_hf
+    from megatron_specdec.weights.mapping import WeightMappingError
+
+    source = draft_source.read_draft(ckpts / "eagle3_tp1", "eagle3")
+    source.tensors["layers.0.self_attention.linear_qkv.bias"] = torch.zeros(128)
+    with pytest.raises(WeightMappingError, match="linear_qkv.bias have no HF name"):
+        eagle3_hf.hf_tensors(source)
+
+
 def test_help(capsys):
     from checkpoint_tools import export_draft, import_draft
 
