@@ -49,8 +49,8 @@ def _cli(argv, capsys):
 
 def _train_worker(ckpt, out_file):
     """Load at TP=1 x PP=1, take two optimizer steps, report what changed."""
-    from megatron_specdec.speculative import load_speculative
     from megatron_specdec.spec_model import forward_backward, reduce_reports
+    from megatron_specdec.speculative import draft_hf_tensors, load_speculative
 
     distributed.initialize(1, 1)
     model, hf_config, meta = load_speculative(ckpt)
@@ -76,6 +76,7 @@ def _train_worker(ckpt, out_file):
         "num_draft": len(draft_before),
         "optimizer_holds_base": any(id(p) in state_ids for p in model.base.parameters()),
         "base_requires_grad": any(p.requires_grad for p in model.base.parameters()),
+        "hf": draft_hf_tensors(ckpt)[2],  # what export reads (the checkpoint as saved at PP=2)
     }, out_file)
 
 
@@ -98,6 +99,12 @@ def test_eagle3_conversion_loads_and_trains(base_ckpt, calibration, tmp_path, ca
     assert all(torch.isfinite(torch.tensor(r["losses"])))
     assert r["base_changed"] == [] and not r["optimizer_holds_base"] and not r["base_requires_grad"]
     assert len(r["draft_changed"]) == r["num_draft"]
+    hf, shapes = r["hf"], {k: tuple(v.shape) for k, v in r["hf"].items()}
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (576, 1152)  # q/k/v read 2h
+    assert shapes["midlayer.self_attn.k_proj.weight"] == (192, 1152)  # 3 groups, no padding
+    assert shapes["fc.weight"] == (576, 1728) and shapes["lm_head.weight"] == (256, 576)
+    assert torch.equal(hf["d2t"], d2t) and torch.equal(hf["t2d"], t2d)
+    assert not any(k.startswith("embed_tokens") for k in hf)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -17,6 +17,8 @@ from megatron_specdec.spec_config import SpecConfigError
 @pytest.fixture(scope="module")
 def one_process():
     distributed.initialize(1, 1)
+    yield
+    distributed.destroy()  # leave no process group behind for other test modules
 
 
 # ---- configuration ------------------------------------------------------------------------

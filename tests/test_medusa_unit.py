@@ -12,6 +12,8 @@ from megatron_specdec import distributed
 @pytest.fixture(scope="module")
 def one_process():
     distributed.initialize(1, 1)
+    yield
+    distributed.destroy()  # leave no process group behind for other test modules
 
 
 def _tiny(config):
