@@ -1,7 +1,14 @@
-"""Training runs that must agree: a run stopped after step k and resumed equals an
-uninterrupted one (1e-6, same layout); TP=2 and PP=2 give TP=1's losses (1e-5), and a PP=2
-run resumed at TP=2 too (optimizer state resharded); offline (stored base states) training
-gives online's losses."""
+"""Training runs that must agree: a run stopped after step k, or SIGKILLed mid-run, and
+resumed equals an uninterrupted one (1e-6, same layout); TP=2, PP=2 and DP=2 give TP=1's
+losses (1e-5), and a PP=2 run resumed at TP=2 too (optimizer state resharded); offline
+(stored base states) training gives online's losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -47,9 +54,11 @@ def test_stop_after_step_3_and_resume(setup, reference):
     _close(ts.losses(out), reference, 1e-6)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow),
+                                   pytest.param(1, 1, marks=pytest.mark.slow)],
+                         ids=["tp2", "pp2", "dp2"])
 def test_parallel_layout_matches_tp1(setup, reference, tp, pp):
+    """Two processes: TP=2, PP=2 (stopped after step 2, resumed at TP=2), or DP=2."""
     root, model, data = setup
     out = root / f"tp{tp}pp{pp}"
     argv = ts.overrides(model, data, out, **{"parallelism.tp": tp, "parallelism.pp": pp})
@@ -69,3 +78,29 @@ def test_offline_matches_online(setup, reference):
     assert summary["mode"] == "offline"
     assert (out / "offline_states" / "index.json").is_file()
     _close(ts.losses(out), reference, 1e-5)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_and_resume(setup, reference):
+    """A real kill: SIGKILL the trainer's process group once step 3 is logged (before the
+    step-4 checkpoint), then rerun the same command."""
+    root, model, data = setup
+    out = root / "sigkill"
+    cmd = [sys.executable, "-m", "megatron_specdec.train",
+           *ts.overrides(model, data, out)]
+    proc = subprocess.Popen(cmd, cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while max(read_log(out), default=0) < 3:
+            assert proc.poll() is None and time.time() < deadline, "trainer ended early"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "summary.json").exists()  # it really was killed mid-run
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] is not None and summary["steps"] == STEPS
+    _close(ts.losses(out), reference, 1e-6)
