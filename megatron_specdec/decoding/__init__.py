@@ -1,0 +1,16 @@
+"""Speculative decoding with a SpeculativeGPTModel over megatron-core KV caches.
+
+`SpeculativeGenerator(model, num_draft_tokens).generate(prompt_ids, max_new_tokens, eos_ids)`
+drafts a chain of k tokens (EAGLE3 draft with its own KV cache, or Medusa heads), verifies
+it in one base forward, accepts with the fused greedy chain op and rolls both caches back;
+its output equals plain greedy generation. `evaluate_acceptance` (and
+`python -m megatron_specdec.decoding.validate`) measures acceptance length over a prompt set.
+Named `decoding` because `megatron_specdec.speculative` holds the convert API.
+"""
+
+from megatron_specdec.decoding.generator import GenerationResult, SpeculativeGenerator
+from megatron_specdec.decoding.metrics import acceptance_summary
+from megatron_specdec.decoding.validate import evaluate_acceptance
+
+__all__ = ["GenerationResult", "SpeculativeGenerator", "acceptance_summary",
+           "evaluate_acceptance"]

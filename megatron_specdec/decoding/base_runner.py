@@ -1,0 +1,104 @@
+"""The frozen base of a speculative model over a static KV cache, with the states the draft
+reads: the captured residual stream of the aux layers (EAGLE3) and the final normed hidden
+state (Medusa), delivered to the last pipeline stage.
+
+`BaseRunner` composes generation.StageRunner (the cache, masks and stage-to-stage hand-off
+of the plain greedy path) with forward hooks on the captured layers. Under PP an aux layer
+may live on an earlier stage: after each forward that stage sends its capture straight to
+the last stage (same TP rank), in aux-id order, so the pairwise message order stays fixed.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_specdec.generation import StageRunner
+
+
+@dataclass
+class BaseOutput:
+    """Last stage only: logits [b, s, V] (full vocabulary), aux [s, b, n_aux*h] (EAGLE3),
+    hidden [s, b, h] (final normed state, Medusa)."""
+
+    logits: Tensor
+    aux: Optional[Tensor]
+    hidden: Optional[Tensor]
+
+
+class BaseRunner:
+    def __init__(self, model, batch_size: int, max_length: int):
+        """model: a SpeculativeGPTModel stage. Collective over the pipeline group."""
+        from megatron.core import parallel_state as ps
+
+        base = model.base
+        self.stage = StageRunner(base, batch_size, max_length, model.vocab_size)
+        self.aux_ids = list(model.aux_layer_ids)
+        pp_group = ps.get_pipeline_model_parallel_group()
+        owned = [layer.layer_number - 1 for layer in base.decoder.layers]
+        per_stage = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(per_stage, owned, group=pp_group)
+        stage_ranks = dist.get_process_group_ranks(pp_group)
+        self.owner = {i: stage_ranks[s] for s, ids in enumerate(per_stage) for i in ids
+                      if i in self.aux_ids}
+        self.rank = dist.get_rank()
+        self._captured = {}
+        self._hooks = []
+        for layer in base.decoder.layers:
+            if layer.layer_number - 1 in self.aux_ids:
+                self._hooks.append(layer.register_forward_hook(self._capture(layer.layer_number - 1)))
+        if self.last and model.algo == "medusa":
+            self._hooks.append(
+                base.decoder.final_layernorm.register_forward_hook(self._capture("final"))
+            )
+
+    def _capture(self, key):
+        def hook(module, args, output):
+            self._captured[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @property
+    def last(self) -> bool:
+        return self.stage.last
+
+    @property
+    def length(self) -> int:
+        return self.stage.length
+
+    def step(self, tokens: Tensor) -> Optional[BaseOutput]:
+        """Append tokens [b, s] to the cache; the last stage gets a BaseOutput."""
+        self._captured.clear()
+        logits = self.stage.step(tokens)
+        last_rank = self.stage.last_rank
+        aux = []
+        for i in self.aux_ids:
+            if self.owner[i] == self.rank and not self.last:
+                dist.send(self._captured[i].contiguous(), dst=last_rank)
+            elif self.last:
+                if self.owner[i] != self.rank:
+                    s, b = tokens.shape[1], tokens.shape[0]
+                    self._captured[i] = torch.empty(s, b, self.stage.hidden_size,
+                                                    dtype=self.stage.dtype, device=tokens.device)
+                    dist.recv(self._captured[i], src=self.owner[i])
+                aux.append(self._captured[i])
+        if not self.last:
+            return None
+        return BaseOutput(logits, torch.cat(aux, dim=-1) if aux else None,
+                          self._captured.get("final"))
+
+    def rewind(self, n: int):
+        self.stage.rewind(n)
+
+    def broadcast_from_last(self, tensor: Tensor) -> Tensor:
+        return self.stage.broadcast_from_last(tensor)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Remove the capture hooks: the model outlives this runner."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

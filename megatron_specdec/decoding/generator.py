@@ -1,0 +1,117 @@
+"""Greedy speculative generation from a SpeculativeGPTModel at any TP/PP (batch 1).
+
+Every rank of the model-parallel group runs the same loop. Per round the last stage drafts
+k tokens, all stages run the base once over [pending, d_1..d_k], the last stage accepts with
+the fused greedy chain op and broadcasts the verdict; every stage rewinds its base cache by
+the k - a rejected positions and the drafter re-reads the base states of the a + 1 kept ones.
+The emitted sequence is the base's own greedy continuation, so it matches
+generation.greedy_generate token for token (up to float ties between a k+1-token and a
+1-token forward).
+
+Batch 1: requests accept different counts, and megatron's static cache advances all rows by
+one offset (RoPE position = slot), so ragged acceptance would need per-row positions.
+"""
+
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+from megatron_specdec.acceptance import greedy_chain_verify
+from megatron_specdec.decoding.base_runner import BaseRunner
+
+
+@dataclass
+class GenerationResult:
+    tokens: List[int]
+    accepted: List[int] = field(default_factory=list)  # accepted drafts per verify forward
+    num_draft_tokens: int = 0
+
+
+def default_num_draft_tokens(model) -> int:
+    cfg = model.spec_config
+    return cfg.ttt_steps if model.algo == "eagle3" else cfg.medusa_num_heads
+
+
+def build_drafter(model):
+    """This stage's drafter (None before the last stage). Collective over the pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if model.algo == "medusa":
+        if not ps.is_pipeline_last_stage():
+            return None
+        from megatron_specdec.decoding.medusa_drafter import MedusaDrafter
+
+        return MedusaDrafter(model)
+    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
+    from megatron_specdec.decoding.embedding import last_stage_embedding
+
+    embedding = last_stage_embedding(model)
+    return Eagle3Drafter(model, embedding) if ps.is_pipeline_last_stage() else None
+
+
+class SpeculativeGenerator:
+    """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`."""
+
+    def __init__(self, model, num_draft_tokens: int = None, drafter=None):
+        self.model = model
+        self.k = num_draft_tokens or default_num_draft_tokens(model)
+        if model.algo == "medusa" and self.k > model.spec_config.medusa_num_heads:
+            raise ValueError(f"num_draft_tokens {self.k} exceeds the "
+                             f"{model.spec_config.medusa_num_heads} Medusa heads")
+        if self.k < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.k}")
+        self.drafter = drafter if drafter is not None else build_drafter(model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=()) -> GenerationResult:
+        """Greedy continuation of one prompt (token ids), stopping at any id in `eos_ids`
+        (not included) or after `max_new_tokens`. Every rank returns the result."""
+        from megatron_specdec.distributed import device
+
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt needs at least one token")
+        k, drafter = self.k, self.drafter
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device())
+        eos = set(int(e) for e in eos_ids)
+        result = GenerationResult([], [], k)
+
+        def emit(token: int) -> bool:
+            """Append token; True when generation is over."""
+            if token in eos:
+                return True
+            result.tokens.append(token)
+            return len(result.tokens) >= max_new_tokens
+
+        if max_new_tokens <= 0:
+            return result
+        max_length = prompt.shape[1] + max_new_tokens + k + 1
+        with BaseRunner(self.model, 1, max_length) as runner:
+            out = runner.step(prompt)
+            pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+            if runner.last:
+                pending[:, 0] = out.logits[:, -1].argmax(-1)
+                drafter.start(prompt, pending, out, max_length)
+            runner.broadcast_from_last(pending)
+            if emit(int(pending)):
+                return result
+            while True:
+                drafts = torch.zeros(1, k, dtype=torch.long, device=prompt.device)
+                if runner.last:
+                    drafts = drafter.propose(k)
+                runner.broadcast_from_last(drafts)
+                out = runner.step(torch.cat([pending, drafts], dim=1))
+                verdict = torch.zeros(1, k + 2, dtype=torch.long, device=prompt.device)
+                if runner.last:
+                    tokens, counts = greedy_chain_verify(drafts, out.logits)
+                    verdict = torch.cat([tokens, counts[:, None]], dim=1)
+                runner.broadcast_from_last(verdict)
+                accepted = int(verdict[0, -1])
+                new = verdict[:, : accepted + 1]
+                result.accepted.append(accepted)
+                runner.rewind(k - accepted)
+                if any(emit(int(t)) for t in new[0]):
+                    return result
+                if runner.last:
+                    drafter.accept(accepted, new, out)
+                pending = new[:, -1:]

@@ -1,0 +1,209 @@
+"""Acceptance-length validation of a speculative model over a jsonl of chat prompts.
+
+    python -m megatron_specdec.decoding.validate --model CKPT --data ../shared/data/mt_bench.jsonl \\
+        --out-dir runs/validate [--num-prompts 8] [--max-new-tokens 128] [--tp 2] [--pp 1]
+
+Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
+the tokenizer's chat template as one user message; later turns are not used (a multi-turn
+evaluation would need the model's own earlier answers in the context). `category` groups the
+report. Greedy speculative generation runs per prompt (batch 1); plain greedy generation of
+the same base on the same prompts gives the tokens/s baseline of the same runtime and checks
+that both produce the same tokens. Writes acceptance.json and acceptance.png (acceptance
+rate per draft position, overall and per category). With --tp/--pp > 1 and no torchrun
+environment, the ranks are spawned locally.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from megatron_specdec.cli import run_cli
+from megatron_specdec.decoding.metrics import summarise_by_category
+
+
+def read_prompts(path, tokenizer, num_prompts=None):
+    """[(category, token ids)] for the first turn of each question in a jsonl file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+    out = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            text = record["turns"][0] if record.get("turns") else record.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{path}:{n}: no `turns` or `prompt` text")
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+            out.append((record.get("category", "all"), list(ids)))
+            if num_prompts is not None and len(out) >= num_prompts:
+                break
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def _resolve(model_or_ckpt, tokenizer):
+    """(speculative model, tokenizer) from a model object or a speculative checkpoint path."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_specdec import checkpoint, distributed
+    from megatron_specdec.data import load_tokenizer
+
+    if isinstance(model_or_ckpt, (str, os.PathLike)):
+        from megatron_specdec.speculative import load_speculative
+
+        if not ps.model_parallel_is_initialized():
+            distributed.initialize(1, 1)
+        model, _, _ = load_speculative(model_or_ckpt)
+        tokenizer = tokenizer or Path(model_or_ckpt) / checkpoint.TOKENIZER_DIR
+    elif tokenizer is None:
+        raise ValueError("evaluate_acceptance needs a tokenizer when given a model object")
+    else:
+        model = model_or_ckpt
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(str(tokenizer))
+    return model.eval(), tokenizer
+
+
+def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
+                        num_draft_tokens=None, num_prompts=None, out_dir=None,
+                        compare_greedy=True, progress=True):
+    """Acceptance length, per-position acceptance (overall and per category) and tokens/s.
+
+    model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
+    then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
+    directory (loaded at the current TP/PP, or TP=PP=1 when none is set up). Collective over
+    the model-parallel group; every rank returns the report, rank 0 writes `out_dir`.
+    """
+    from tqdm import tqdm
+
+    from megatron_specdec.data import end_of_turn_ids
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.distributed import is_rank0
+    from megatron_specdec.generation import greedy_generate
+
+    model, tokenizer = _resolve(model_or_ckpt, tokenizer)
+    prompts = read_prompts(prompts_path, tokenizer, num_prompts)
+    eos = end_of_turn_ids(tokenizer)
+    generator = SpeculativeGenerator(model, num_draft_tokens)
+    records, spec_time, greedy_time, identical = [], 0.0, 0.0, 0
+    for category, ids in tqdm(prompts, desc="acceptance", disable=not (progress and is_rank0())):
+        start = time.perf_counter()
+        result = generator.generate(ids, max_new_tokens, eos)
+        spec_time += time.perf_counter() - start
+        record = {"category": category, "accepted": result.accepted,
+                  "new_tokens": len(result.tokens)}
+        if compare_greedy:
+            start = time.perf_counter()
+            greedy = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos)[0]
+            greedy_time += time.perf_counter() - start
+            identical += greedy == result.tokens
+        records.append(record)
+    tokens = sum(r["new_tokens"] for r in records)
+    report = {
+        "algo": model.algo,
+        "num_draft_tokens": generator.k,
+        "max_new_tokens": max_new_tokens,
+        "num_prompts": len(records),
+        "prompts": f"{prompts_path} (first turn of each question, chat template)",
+        **summarise_by_category(records, generator.k),
+        "new_tokens": tokens,
+        "speculative_tokens_per_s": tokens / spec_time,
+    }
+    if compare_greedy:
+        report["greedy_tokens_per_s"] = tokens / greedy_time
+        report["speedup"] = greedy_time / spec_time
+        report["identical_to_greedy"] = f"{identical}/{len(records)}"
+    report["per_prompt"] = records
+    if out_dir is not None and is_rank0():
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "acceptance.json").write_text(json.dumps(report, indent=2))
+        plot_acceptance(report, out_dir / "acceptance.png")
+    return report
+
+
+def plot_acceptance(report, path):
+    """Acceptance rate per draft position: overall (bold) and one line per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = report["num_draft_tokens"]
+    positions = list(range(1, k + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, summary in report["categories"].items():
+        ax.plot(positions, _nan(summary["position_acceptance"]), marker=".", alpha=0.6,
+                label=f"{name} ({summary['acceptance_length']:.2f})")
+    overall = report["overall"]
+    ax.plot(positions, _nan(overall["position_acceptance"]), color="black", linewidth=2.5,
+            marker="o", label=f"overall ({overall['acceptance_length']:.2f})")
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("P(j accepted | j-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(positions)
+    ax.set_title(f"{report['algo']}: acceptance length {overall['acceptance_length']:.2f} "
+                 f"(k={k}, {report['num_prompts']} prompts)")
+    ax.legend(fontsize=8, title="category (acceptance length)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _nan(values):
+    return [float("nan") if v is None else v for v in values]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="speculative checkpoint directory")
+    p.add_argument("--data", required=True, help="jsonl of prompts, e.g. MT-bench")
+    p.add_argument("--out-dir", required=True, help="where acceptance.json/.png go")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="chain length k (default: EAGLE3 ttt_steps, Medusa heads)")
+    p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    return p.parse_args(argv)
+
+
+def _worker(args):
+    from megatron_specdec import distributed
+    from megatron_specdec.distributed import is_rank0
+
+    distributed.initialize(args.tp, args.pp)
+    report = evaluate_acceptance(args.model, args.data, max_new_tokens=args.max_new_tokens,
+                                 num_draft_tokens=args.num_draft_tokens,
+                                 num_prompts=args.num_prompts, out_dir=args.out_dir,
+                                 compare_greedy=not args.no_greedy)
+    if is_rank0():
+        print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
+                         indent=2))
+        print(f"wrote {Path(args.out_dir) / 'acceptance.json'} and acceptance.png")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not Path(args.data).is_file():
+        raise FileNotFoundError(f"prompt file {args.data} not found")
+    if args.tp * args.pp > 1 and "RANK" not in os.environ:
+        from megatron_specdec import distributed
+
+        distributed.spawn(_worker, args.tp * args.pp, args)
+    else:
+        _worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

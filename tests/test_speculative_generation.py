@@ -1,0 +1,105 @@
+"""Speculative generation on a small seeded random Llama (fast): identity with plain greedy
+for EAGLE3 and Medusa at TP=1, TP=2 and PP=2; an oracle drafter that proposes the known
+greedy continuation with planned mistakes, so rounds accept several tokens and roll back at
+chosen places (exact accepted counts); the EAGLE3 draft cache after many rollbacks equals a
+fresh prefill; the cached draft chain equals the training-time-test unroll."""
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+
+HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+          tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.3)
+ALGOS = {"eagle3": {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                    "ttt_steps": 4},
+         "medusa": {"medusa_num_heads": 4}}
+K, NEW = 4, 40
+WRONG_AT = (5, 6, 13, 30)  # emitted positions the oracle gets wrong
+PROMPT = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def build(algo):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_specdec import convert
+    from megatron_specdec.hf_conversion import load_hf_into_model
+    from megatron_specdec.model_provider import build_model
+
+    hf = LlamaConfig(**HF)
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(hf).state_dict()
+    base = build_model(hf)
+    load_hf_into_model(base, hf, state)
+    torch.manual_seed(1)
+    return convert(base, algo, ALGOS[algo], hf_config=hf).eval()
+
+
+class OracleDrafter:
+    """Runs the real drafter (its cache goes through every accept and rollback) but proposes
+    the known greedy continuation, wrong at the emitted positions in `wrong_at`."""
+
+    def __init__(self, inner, continuation, wrong_at, vocab_size):
+        self.inner, self.continuation = inner, continuation
+        self.wrong_at, self.vocab_size = set(wrong_at), vocab_size
+        self.emitted = 0
+
+    def start(self, prompt, pending, out, max_length):
+        self.inner.start(prompt, pending, out, max_length)
+        self.emitted = 1
+
+    def propose(self, k):
+        own = self.inner.propose(k)
+        ids = []
+        for pos in range(self.emitted, self.emitted + k):
+            token = self.continuation[pos]
+            ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
+        return torch.tensor([ids], dtype=own.dtype, device=own.device)
+
+    def accept(self, num_accepted, new_tokens, out):
+        self.inner.accept(num_accepted, new_tokens, out)
+        self.emitted += num_accepted + 1
+
+
+def expected_accepts(k, new_tokens, wrong_at):
+    """Accepted counts per round when drafts are right except at `wrong_at`."""
+    counts, emitted = [], 1
+    while emitted < new_tokens:
+        a = next((j for j in range(k) if emitted + j in wrong_at), k)
+        counts.append(a)
+        emitted += a + 1
+    return counts
+
+
+def _writer():
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+
+def identity_worker(tp, pp, algo, out_file):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    distributed.initialize(tp, pp)
+    model = build(algo)
+    greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+    generator = SpeculativeGenerator(model, K)
+    plain = generator.generate(PROMPT, NEW)
+    if generator.drafter is not None:  # the last stage
+        generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT, HF["vocab_size"])
+    forced = generator.generate(PROMPT, NEW)
+    if _writer():
+        torch.save({"greedy": greedy[:NEW], "plain": plain, "oracle": forced}, out_file)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("algo", ["eagle3", "medusa"])
+def test_speculative_equals_greedy(algo, tp, pp, tmp_path):
+    out = tmp_path / "out.pt"
+    distributed.spawn(identity_worker, tp * pp, tp, pp, algo, str(out))
+    got = torch.load(out, weights_only=False)
+    assert got["plain"].tokens == got["greedy"]
+    assert got["oracle"].tokens == got["greedy"]
+    assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT)

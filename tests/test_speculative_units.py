@@ -1,0 +1,154 @@
+"""Units of speculative generation in one process (small seeded random Llama): the EAGLE3
+draft cache after many accepts and rollbacks equals a fresh prefill of the same sequence;
+the cached draft chain reproduces the training-time-test unroll it was trained with; the
+acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+from test_speculative_generation import (HF, K, NEW, PROMPT, WRONG_AT, OracleDrafter, build,
+                                         expected_accepts)
+
+
+@pytest.fixture(scope="module")
+def eagle3():
+    distributed.initialize(1, 1)
+    return build("eagle3")
+
+
+def _prefill(model, tokens, max_length):
+    from megatron_specdec.decoding.base_runner import BaseRunner
+
+    with BaseRunner(model, 1, max_length) as runner:
+        return runner.step(torch.tensor([tokens]))
+
+
+def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
+    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
+    from megatron_specdec.decoding.embedding import last_stage_embedding
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    greedy = greedy_generate(eagle3.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+    embedding = last_stage_embedding(eagle3)
+    oracle = OracleDrafter(Eagle3Drafter(eagle3, embedding), greedy, WRONG_AT,
+                           HF["vocab_size"])
+    result = SpeculativeGenerator(eagle3, K, drafter=oracle).generate(PROMPT, NEW)
+    assert result.accepted == expected_accepts(K, NEW, WRONG_AT)
+    used = oracle.inner
+    seq = PROMPT + greedy
+    n = used.length
+    assert n == len(PROMPT) + sum(a + 1 for a in result.accepted[:-1])
+    fresh = Eagle3Drafter(eagle3, embedding)
+    max_length = len(seq) + K
+    fresh.start(torch.tensor([seq[:n]]), torch.tensor([[seq[n]]]),
+                _prefill(eagle3, seq[:n], max_length), max_length)
+    for (k_used, v_used), (k_fresh, v_fresh) in zip(
+            [blocks[0] for blocks in used.kv], [blocks[0] for blocks in fresh.kv]):
+        torch.testing.assert_close(k_used, k_fresh, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_used, v_fresh, atol=1e-4, rtol=1e-4)
+    assert torch.equal(used.propose(K), fresh.propose(K))
+
+
+def test_cached_chain_equals_training_time_test(eagle3):
+    """Chain step j from the real prefix ending at t, fed the real tokens, gives the logits
+    of training-time-test step j at position t + j."""
+    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
+    from megatron_specdec.decoding.embedding import last_stage_embedding
+
+    steps = 4
+    seq = PROMPT + list(range(7, 7 + 12))
+    s = len(seq)
+    out = _prefill(eagle3, seq, s)
+    embedding = last_stage_embedding(eagle3)
+    embeds = embedding(input_ids=torch.tensor([seq]), position_ids=None)
+    next_embeds = torch.cat([embeds[1:], embeds[-1:]])
+    with torch.no_grad():
+        ttt = eagle3.draft.training_time_test(out.aux, next_embeds, eagle3.rotary_pos_emb(s),
+                                              None, steps)
+    for t in (3, 10, s - steps - 1):
+        drafter = Eagle3Drafter(eagle3, embedding)
+        prefix = type(out)(out.logits[:, : t + 1], out.aux[: t + 1], None)
+        with torch.no_grad():
+            drafter.start(torch.tensor([seq[: t + 1]]), torch.tensor([[seq[t + 1]]]), prefix, s)
+            hidden, logits = drafter._last
+            torch.testing.assert_close(logits[0], ttt[0][t], atol=1e-4, rtol=1e-4)
+            for j in range(1, steps):
+                drafter._step(hidden, torch.tensor([[seq[t + j + 1]]]))
+                hidden, logits = drafter._last
+                torch.testing.assert_close(logits[0], ttt[j][t + j], atol=1e-4, rtol=1e-4)
+
+
+def test_acceptance_metrics_hand_made():
+    from megatron_specdec.decoding.metrics import acceptance_summary, summarise_by_category
+
+    s = acceptance_summary([0, 2, 4, 1], 4)
+    assert s["verify_forwards"] == 4 and s["emitted_tokens"] == 11
+    assert s["acceptance_length"] == pytest.approx(11 / 4)
+    assert s["position_acceptance"] == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0])
+    assert s["accepted_histogram"] == [1, 1, 1, 0, 1]
+    assert acceptance_summary([0, 0], 3)["position_acceptance"] == [0.0, None, None]
+    both = summarise_by_category([{"category": "a", "accepted": [4, 4]},
+                                  {"category": "b", "accepted": [0]}], 4)
+    assert both["overall"]["acceptance_length"] == pytest.approx(11 / 3)  # pooled, not 3.0
+    assert both["categories"]["a"]["acceptance_length"] == 5.0
+    with pytest.raises(ValueError, match=r"\[0, 4\]"):
+        acceptance_summary([5], 4)
+
+
+def test_validation_cli_writes_json_and_png(tmp_path, default_hf_dir):
+    """A tiny EAGLE3 checkpoint over SmolLM2's vocabulary and tokenizer, three prompts."""
+    code = f"""
+import torch
+from megatron_specdec import distributed
+distributed.initialize(1, 1)
+from transformers import LlamaConfig, LlamaForCausalLM
+from megatron_specdec import convert
+from megatron_specdec.hf_conversion import base_meta, load_hf_into_model
+from megatron_specdec.model_provider import build_model
+from megatron_specdec.speculative import save_speculative
+hf = LlamaConfig(**{dict(HF, vocab_size=49152)!r})
+torch.manual_seed(0)
+base = build_model(hf)
+load_hf_into_model(base, hf, LlamaForCausalLM(hf).state_dict())
+model = convert(base, "eagle3", {{"draft_vocab_size": 256, "ttt_steps": 3,
+                                 "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, hf_config=hf)
+save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.float32, "local"),
+                 {str(default_hf_dir)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"category": "math", "turns": ["What is 2 + 3?", "And times 4?"]},
+        {"category": "writing", "turns": ["Write a haiku about rain."]},
+        {"category": "math", "turns": ["Is 91 prime?"]},
+    ]))
+    out = tmp_path / "report"
+    run = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
+         "--max-new-tokens", "12"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "acceptance.json").read_text())
+    assert report["num_prompts"] == 3 and report["num_draft_tokens"] == 3
+    assert set(report["categories"]) == {"math", "writing"}
+    assert report["identical_to_greedy"] == "3/3"
+    overall = report["overall"]
+    rounds = sum(len(r["accepted"]) for r in report["per_prompt"])
+    assert overall["verify_forwards"] == rounds
+    assert 1.0 <= overall["acceptance_length"] <= 4.0
+    assert len(overall["position_acceptance"]) == 3
+    assert report["speculative_tokens_per_s"] > 0 and report["greedy_tokens_per_s"] > 0
+    png = (out / "acceptance.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+    missing = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(tmp_path / "none.jsonl"), "--out-dir", str(out)],
+        capture_output=True, text=True)
+    assert missing.returncode == 2 and "none.jsonl" in missing.stderr
