@@ -1,5 +1,5 @@
 """Import of HF EAGLE3 drafts into Megatron speculative checkpoints: import(export(x)) == x
-bitwise at TP=1 and TP=2 (every tensor of the checkpoint, base included), and drafts that do
+bitwise at TP=1, TP=2 and PP=2 (every tensor of the checkpoint, base included), and drafts that do
 not fit the target, miss tensors or disagree with themselves are refused by name, with
 nothing written."""
 
@@ -38,8 +38,9 @@ def _same_checkpoint(a, b):
     return len(x)
 
 
-@pytest.mark.parametrize("name,tp", [("eagle3", 1), ("eagle3_2layers", 2)])
-def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp):
+@pytest.mark.parametrize("name,tp,pp", [("eagle3", 1, 1), ("eagle3_2layers", 2, 1),
+                                         ("eagle3", 1, 2)])
+def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp, pp):
     from megatron_specdec.export.draft_import import import_eagle3
     from megatron_specdec.export.eagle3_hf import export_eagle3
 
@@ -47,9 +48,10 @@ def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp):
     hf = export_eagle3(src, tmp_path / "hf")
     # onto the base-only checkpoint (saved at TP=2): the base comes from there, resharded
     out = tmp_path / "imported"
-    cfg = import_eagle3(hf, ckpts / "base", out, tp=tp)
+    cfg = import_eagle3(hf, ckpts / "base", out, tp=tp, pp=pp)
     assert cfg.eagle_num_layers == (2 if "2layers" in name else 1)
-    assert checkpoint.read_meta(out)["saved_tensor_parallel"] == tp
+    meta = checkpoint.read_meta(out)
+    assert (meta["saved_tensor_parallel"], meta["saved_pipeline_parallel"]) == (tp, pp)
     assert _same_checkpoint(src, out) > 10
 
 
