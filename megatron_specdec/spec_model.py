@@ -128,7 +128,7 @@ class SpeculativeGPTModel(MegatronModule):
         return losses.eagle3_loss(
             step_logits, base_logits, loss_mask, self.draft.target_ids(),
             cfg.padded_draft_vocab_size, self.draft.vocab_offset, vocab_offset,
-            self.vocab_size, cfg.ttt_decay,
+            self.vocab_size, cfg.ttt_decay, attention_mask,
         )
 
     # ---- checkpoints ------------------------------------------------------------------

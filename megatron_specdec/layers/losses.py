@@ -114,11 +114,24 @@ def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
     return out
 
 
+def _chain_mask(loss_mask: Tensor, attention_mask: Optional[Tensor], step: int) -> Tensor:
+    """[s, b] mask of step `step`: position u is scored on token u+2 if its chain's real
+    prefix (ending at u-step) exists and, with packed sequences, lies in u's sequence."""
+    mask = _shift_mask(loss_mask, 2)
+    mask[:step] = 0
+    if attention_mask is not None and step:
+        s = mask.shape[0]
+        u = torch.arange(step, s, device=mask.device)
+        sees_start = ~attention_mask[:, 0, u, u - step]  # [b|1, s-step]
+        mask[step:] *= sees_start.t().float()
+    return mask
+
+
 def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tensor,
                 target_ids: Tensor, padded_draft_vocab: int, draft_offset: int, base_offset: int,
-                vocab_size: int, decay: float) -> dict:
+                vocab_size: int, decay: float, attention_mask: Optional[Tensor] = None) -> dict:
     """Training-time-test loss. step_logits[k]: [s, b, Dp/TP]; base_logits [s, b, Vp/TP];
-    loss_mask [b, s], token aligned (1 = token t is a target).
+    loss_mask [b, s], token aligned (1 = token t is a target); attention_mask as the model's.
 
     The draft output at position u scores token u+2 against the base distribution at u+1;
     step k only scores positions u >= k (its chain starts from the real prefix ending at u-k).
@@ -131,13 +144,10 @@ def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tenso
         padded = torch.arange(base_offset, base_offset + flat.shape[1], device=flat.device)
         base_top = vocab_parallel_argmax(flat.masked_fill(padded >= vocab_size, float("-inf")),
                                          base_offset)
-    mask0 = _shift_mask(loss_mask, 2)
     total = 0.0
     stats = {"step_loss": [], "step_correct": [], "step_count": []}
     for k, logits in enumerate(step_logits):
-        mask = mask0.clone()
-        mask[:k] = 0
-        mask = mask.reshape(-1)
+        mask = _chain_mask(loss_mask, attention_mask, k).reshape(-1)
         ce = soft_cross_entropy(logits.reshape(s * b, -1), target)
         step_sum = (ce * mask).sum()
         total = total + decay ** k * step_sum
@@ -147,7 +157,7 @@ def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tenso
         stats["step_loss"].append(step_sum.detach())
         stats["step_correct"].append((hit * mask).sum())
         stats["step_count"].append(mask.sum())
-    return _pack(total, mask0.sum(), stats)
+    return _pack(total, _shift_mask(loss_mask, 2).sum(), stats)
 
 
 def medusa_loss(head_logits: List[Tensor], input_ids: Tensor, loss_mask: Tensor,
