@@ -245,3 +245,23 @@ def test_packed_sequences_train_like_separate_ones(one_process):
     for key in ("step_loss", "step_count", "step_correct"):
         assert torch.allclose(packed[key], apart[0][key] + apart[1][key], atol=1e-4), key
     assert packed["step_count"][2] > 0
+
+
+def test_modelopt_layernorm_switches(one_process):
+    from megatron_specdec.speculative import convert
+    from megatron_specdec.weights import eagle3, mapping
+
+    model, hf, _ = _tiny_model(1)
+    model = convert(model.base, "eagle3", {"use_input_layernorm_in_first_layer": False,
+                                           "use_last_layernorm": False, "ttt_steps": 2},
+                    hf_config=hf)
+    names = dict(model.draft.named_parameters())
+    assert "layers.0.input_layernorm.weight" not in names and "final_layernorm.weight" not in names
+    assert "layers.0.hidden_norm.weight" in names
+    cfg = model.spec_config
+    state = {k: v for k, v in model.draft.state_dict().items() if not k.endswith("_extra_state")}
+    hf_state = mapping.megatron_to_hf(eagle3.rules(cfg), state,
+                                      eagle3.geometry(hf, model.base.padding, cfg), 1)
+    assert "midlayer.input_layernorm.weight" not in hf_state and "norm.weight" not in hf_state
+    out = model(torch.randint(0, 512, (1, 8)), torch.ones(1, 8))
+    assert torch.isfinite(out["loss_sum"]) and out["step_loss"].shape == (2,)
