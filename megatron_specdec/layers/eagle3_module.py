@@ -17,9 +17,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_specdec.layers.sharded import ShardedModuleList
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 
 @dataclass

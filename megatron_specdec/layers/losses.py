@@ -197,7 +197,7 @@ def loss_func(output: dict):
     return output["loss_sum"], output["num_tokens"].int(), report
 
 
-def accuracies(report: dict) -> Optional[List[float]]:
+def accuracies(report: dict) -> List[float]:
     """Top-1 accuracy of each step / head from a loss report."""
     count = report["step_count"].clamp(min=1)
     return (report["step_correct"] / count).tolist()

@@ -21,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_specdec.layers.sharded import ShardedModuleList
 
 
+
 class MedusaResBlock(MegatronModule):
     def __init__(self, config):
         super().__init__(config=config)
