@@ -165,8 +165,10 @@ def load_checkpoint(model, path, sharded_state_dict=None):
     return model
 
 
-def load_plain_tensors(path) -> dict:
-    """Every tensor of a complete checkpoint as a global tensor, in one process, no model built."""
+def load_plain_tensors(path, prefix: str = "") -> dict:
+    """The tensors of a complete checkpoint whose keys start with `prefix` (prefix stripped),
+    as global tensors, in one process, no model built. Only those tensors are read, so a
+    draft module is read without the (possibly large) base."""
     from megatron.core import dist_checkpointing
 
     from megatron_specdec import distributed
@@ -174,7 +176,11 @@ def load_plain_tensors(path) -> dict:
     read_meta(path)
     if not dist.is_initialized():
         distributed.initialize(1, 1)  # the torch_dist reader needs a (single-process) group
-    return dist_checkpointing.load_plain_tensors(str(path))
+    wanted = {k: v for k, v in dist_checkpointing.load_tensors_metadata(str(path)).items()
+              if k.startswith(prefix)}
+    # Every rank reads whole tensors, so shards overlap: skip the access-integrity check.
+    loaded = dist_checkpointing.load(wanted, str(path), validate_access_integrity=False)
+    return {k[len(prefix):]: v for k, v in loaded.items() if torch.is_tensor(v)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -6,8 +6,6 @@ reshard to TP=1 first. Only the draft's keys are read (the base can be gigabytes
 
 from dataclasses import dataclass
 
-import torch
-
 from megatron_specdec import checkpoint, spec_config
 from megatron_specdec.weights import mapping
 
@@ -18,19 +16,6 @@ class DraftSource:
     hf_config: object  # the base's transformers config
     cfg: object  # spec_config.Eagle3Config or MedusaConfig
     tensors: dict  # global tensors, names relative to the draft module (no `eagle3.` prefix)
-
-
-def _load_prefixed(path, prefix: str) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from megatron_specdec import distributed
-
-    if not torch.distributed.is_initialized():
-        distributed.initialize(1, 1)  # the torch_dist reader needs a (single-process) group
-    wanted = {k: v for k, v in dist_checkpointing.load_tensors_metadata(str(path)).items()
-              if k.startswith(prefix)}
-    loaded = dist_checkpointing.load(wanted, str(path), validate_access_integrity=False)
-    return {k[len(prefix):]: v for k, v in loaded.items() if torch.is_tensor(v)}
 
 
 def read_draft(ckpt_dir, algo: str) -> DraftSource:
@@ -44,7 +29,7 @@ def read_draft(ckpt_dir, algo: str) -> DraftSource:
     if cfg.algo != algo:
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} holds a {cfg.algo} draft module, not {algo}")
-    tensors = _load_prefixed(ckpt_dir, f"{algo}.")
+    tensors = checkpoint.load_plain_tensors(ckpt_dir, prefix=f"{algo}.")
     return DraftSource(meta, checkpoint.hf_config_from_meta(meta), cfg, tensors)
 
 
