@@ -36,9 +36,12 @@ def run_all(module):
     logits = torch.randn(6, 5, 20, generator=gen) * 2
     logits[:, :4].scatter_add_(2, draft[..., None], torch.full((6, 4, 1), 2.0))
     lens = torch.tensor([4, 3, 2, 1, 0, 4])
+    draft[1, 3], draft[2, 2:] = -1, 99  # padding after a request's length is never read
     probs = torch.rand(6, 4, 20, generator=gen).softmax(-1)
     tree_ids = torch.randint(0, 20, (6, 5), generator=gen)
     parents = torch.tensor([[-1, -1, 0, 0, 2]] * 6)
+    nodes = torch.tensor([5, 5, 4, 3, 0, 5])
+    tree_ids[2, 4], parents[3, 3:] = -7, 42  # padding nodes, never read
     tree_logits = torch.randn(6, 6, 20, generator=gen)
     out = []
     for _ in range(2):
@@ -48,8 +51,8 @@ def run_all(module):
             module.stochastic_chain_verify(draft, logits, lens, probs, generator=torch.Generator().manual_seed(1)),
             module.stochastic_chain_verify(draft, logits, lens, temperature=0.7, top_k=5,
                                            generator=torch.Generator().manual_seed(2)),
-            module.tree_verify(tree_ids, parents, tree_logits),
-            module.tree_verify(tree_ids, parents, tree_logits, temperature=1.0,
+            module.tree_verify(tree_ids, parents, tree_logits, nodes),
+            module.tree_verify(tree_ids, parents, tree_logits, nodes, temperature=1.0,
                                generator=torch.Generator().manual_seed(3)),
             module.typical_verify(draft, logits, lens, temperature=0.8),
         ]

@@ -67,6 +67,12 @@ def _prefix_counts(accept, draft_lens):
     return accept.long().cumprod(1).sum(1)
 
 
+def _drafted(draft_ids, draft_lens):
+    """Draft ids with the padding after each request's length replaced by 0, safe to index with."""
+    pos = torch.arange(draft_ids.shape[1], device=draft_ids.device)
+    return torch.where(pos < draft_lens[:, None], draft_ids, 0)
+
+
 def greedy_chain_verify_ids(draft_ids, target_ids, draft_lens):
     """Greedy chain verification against precomputed target argmax ids [B, K+1]."""
     k = draft_ids.shape[1]
@@ -92,12 +98,13 @@ def stochastic_chain_verify(
     """
     batch, k = draft_ids.shape
     rows = torch.arange(batch, device=draft_ids.device)
+    ids = _drafted(draft_ids, draft_lens)
     p = target_probs(target_logits, temperature, top_k, top_p)
-    p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
+    p_draft = p[:, :k].gather(-1, ids[..., None]).squeeze(-1)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
-        q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1).double()
+        q_draft = draft_probs.gather(-1, ids[..., None]).squeeze(-1).double()
     u = uniforms.double()
     counts = _prefix_counts(u[:, :k] * q_draft < p_draft, draft_lens)
     weights = p[rows, counts]
@@ -105,7 +112,7 @@ def stochastic_chain_verify(
         at = counts.clamp(max=k - 1)
         if draft_probs is None:
             q_row = torch.zeros_like(weights)
-            q_row[rows, draft_ids[rows, at]] = 1.0
+            q_row[rows, ids[rows, at]] = 1.0
         else:
             q_row = draft_probs[rows, at].double()
         residual = (weights - q_row).clamp_min(0.0)
@@ -120,9 +127,14 @@ def tree_depths(parents, num_nodes):
     batch, n = parents.shape
     depth = torch.zeros(batch, n + 1, dtype=torch.long, device=parents.device)
     for i in range(n):
-        depth[:, i + 1] = depth.gather(1, parents[:, i : i + 1] + 1).squeeze(1) + 1
+        depth[:, i + 1] = depth.gather(1, _parent_rows(parents, i)).squeeze(1) + 1
     valid = torch.arange(n, device=parents.device) < num_nodes[:, None]
     return torch.where(valid, depth[:, 1:], 0)
+
+
+def _parent_rows(parents, i):
+    """Logits row of node i's parent ([B, 1]); padding nodes' arbitrary parents are clamped."""
+    return (parents[:, i : i + 1] + 1).clamp(0, i)
 
 
 def _tree_emit(tree_ids, parents, best, counts, final, max_depth):
@@ -156,7 +168,7 @@ def tree_verify_greedy(tree_ids, parents, target_logits, num_nodes, max_depth):
     ok[:, 0] = True
     valid = torch.arange(n, device=tree_ids.device) < num_nodes[:, None]
     for i in range(n):
-        up = parents[:, i : i + 1] + 1
+        up = _parent_rows(parents, i)
         match = tree_ids[:, i] == argmax.gather(1, up).squeeze(1)
         ok[:, i + 1] = ok.gather(1, up).squeeze(1) & match & valid[:, i]
     depth = torch.where(ok[:, 1:], tree_depths(parents, num_nodes), 0)
@@ -228,7 +240,7 @@ def typical_verify(draft_ids, target_logits, draft_lens, temperature, eps, alpha
     p = target_probs(target_logits[:, :k], temperature)
     entropy = -torch.special.xlogy(p, p).sum(-1)
     threshold = torch.minimum(torch.full_like(entropy, eps), alpha * torch.exp(-entropy))
-    p_draft = p.gather(-1, draft_ids[..., None]).squeeze(-1)
+    p_draft = p.gather(-1, _drafted(draft_ids, draft_lens)[..., None]).squeeze(-1)
     counts = _prefix_counts(p_draft > threshold, draft_lens)
     argmax = target_logits.argmax(-1)
     final = argmax.gather(1, counts[:, None]).squeeze(1)
