@@ -130,6 +130,7 @@ def run(algo, hf_draft):
     if fresh.post_process:
         hf_draft_tensors(fresh, grads=False)  # convert zero-initialises padded query groups
     if model.post_process:
+        result["embeds"] = model.embed_tokens(batches()[0]["input_ids"])  # for drafting
         result["report"] = reduce_reports(reports)
         result["grads"] = hf_draft_tensors(model)
     return model, result
@@ -208,6 +209,7 @@ def test_parallel_layouts_match_single_process(reference, tmp_path, tp, pp):
         for key in ("loss", "step_loss", "accuracy", "num_tokens"):
             assert _close(got["report"][key], want["report"][key]), (algo, key, got, want)
         assert set(got["grads"]) == set(want["grads"])
+        assert _close(got["embeds"], want["embeds"])  # tied lookup on the last stage
         for name, grad in want["grads"].items():
             assert grad.abs().max() > 0, (algo, name)
             assert _close(got["grads"][name], grad), (algo, name)
