@@ -47,8 +47,9 @@ class BaseRunner:
         self._captured = {}
         self._hooks = []
         for layer in base.decoder.layers:
-            if layer.layer_number - 1 in self.aux_ids:
-                self._hooks.append(layer.register_forward_hook(self._capture(layer.layer_number - 1)))
+            layer_id = layer.layer_number - 1
+            if layer_id in self.aux_ids:
+                self._hooks.append(layer.register_forward_hook(self._capture(layer_id)))
         if self.last and model.algo == "medusa":
             self._hooks.append(
                 base.decoder.final_layernorm.register_forward_hook(self._capture("final"))

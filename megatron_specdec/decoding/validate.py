@@ -1,7 +1,8 @@
 """Acceptance-length validation of a speculative model over a jsonl of chat prompts.
 
-    python -m megatron_specdec.decoding.validate --model CKPT --data ../shared/data/mt_bench.jsonl \\
-        --out-dir runs/validate [--num-prompts 8] [--max-new-tokens 128] [--tp 2] [--pp 1]
+    python -m megatron_specdec.decoding.validate --model CKPT \\
+        --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
+        [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
