@@ -195,9 +195,12 @@ def _worker(args):
 
 
 def main(argv=None):
+    from megatron_specdec import checkpoint
+
     args = parse_args(argv)
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"prompt file {args.data} not found")
+    checkpoint.read_meta(args.model)  # a clear error here, before any rank starts
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 
