@@ -26,11 +26,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     from megatron_specdec.training import load_recipe, train
-    from megatron_specdec.training.evaluation import check_available
 
     args = parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
-    check_available(recipe)
     summary = train(recipe)
     if summary and _rank0():
         print(json.dumps(summary, indent=2))

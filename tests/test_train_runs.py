@@ -30,8 +30,18 @@ def setup(tmp_path_factory):
 def reference(setup):
     root, model, data = setup
     out = root / "reference"
-    summary = ts.run(ts.overrides(model, data, out))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"category": "math", "turns": ["What is 2 plus 9?"]}\n'
+                       '{"category": "writing", "turns": ["Write a line about rain."]}\n')
+    summary = ts.run(ts.overrides(model, data, out, **{
+        "evaluation.interval": STEPS, "evaluation.prompts": prompts,
+        "evaluation.max_new_tokens": 6, "evaluation.draft_tokens": 3}))
     assert summary["steps"] == STEPS, summary
+    # The acceptance-length hook ran at the end (an untrained draft on a random base).
+    assert summary["acceptance"]["step"] == STEPS
+    assert 1.0 <= summary["acceptance"]["acceptance_length"] <= 4.0
+    assert set(summary["acceptance"]["categories"]) == {"math", "writing"}
+    assert (out / "evaluation" / f"step_{STEPS:07d}" / "acceptance.json").is_file()
     assert all(r["grad_norm"] > 0 for r in read_log(out).values())  # the draft does train
     return ts.losses(out)
 
@@ -104,3 +114,16 @@ def test_sigkill_mid_run_and_resume(setup, reference):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"] is not None and summary["steps"] == STEPS
     _close(ts.losses(out), reference, 1e-6)
+
+
+@pytest.mark.slow
+def test_train_from_speculative_checkpoint(setup, reference):
+    """model.path may be a speculative checkpoint (the reference run's final/): its draft is
+    trained further; a recipe naming another algorithm is refused by key."""
+    root, model, data = setup
+    final = root / "reference" / "final"
+    argv = ts.overrides(final, data, root / "from_final", **{"training.steps": 1})
+    summary = ts.run(argv)
+    assert summary["steps"] == 1 and summary["algo"] == "eagle3", summary
+    result = ts.run(argv + ["draft.algo=medusa", f"output_dir={root / 'from_final_medusa'}"])
+    assert result.startswith("error: RecipeError") and "draft.algo" in result, result

@@ -2,7 +2,7 @@
 `python -m megatron_specdec.train --config recipes/<recipe>.yaml key=value ...` (or torchrun).
 
 recipe: schema, overrides, validation; build: the speculative model a recipe names;
-optimizer: AdamW/lr schedule/grad sync and clipping; checkpoints: verified, reshardable
+optimizer: AdamW, lr schedule, gradient averaging and clipping; checkpoints: verified, reshardable
 training checkpoints; offline: stored base states; metrics: progress, TensorBoard, logs;
 evaluation: periodic acceptance length; trainer: the loop.
 """

@@ -137,11 +137,37 @@ def _max_over_world(value: float) -> float:
     return float(t)
 
 
+# Draft keys a run may change on resume (they shape no tensor).
+_RESUMABLE_CHANGES = ("ttt_steps", "ttt_decay", "medusa_head_weights")
+
+
+def check_compatible(path, meta: dict, model):
+    """Refuse a checkpoint whose draft (or base geometry) differs from the model's, naming
+    the keys, before dist_checkpointing fails on a shape."""
+    from megatron_specdec import spec_config
+
+    saved = meta["training_checkpoint"]["draft"]
+    mine = spec_config.to_dict(model.spec_config)
+    diff = sorted(k for k in set(saved["config"]) | set(mine["config"])
+                  if k not in _RESUMABLE_CHANGES
+                  and saved["config"].get(k) != mine["config"].get(k))
+    if saved["algo"] != mine["algo"]:
+        diff.insert(0, "algo")
+    base = {"hidden_size": model.config.hidden_size,
+            "num_hidden_layers": model.config.num_layers, "vocab_size": model.vocab_size}
+    diff += [f"base {k}" for k, v in base.items() if meta["hf_config"].get(k) != v]
+    if diff:
+        raise checkpoint.CheckpointError(
+            f"{path} was trained with another draft or base: {', '.join(diff)} differ "
+            f"(saved draft {saved}); use another checkpointing.directory")
+
+
 def load(path, model, optimizer) -> TrainerState:
     """Restore draft weights, AdamW state and RNG from a verified checkpoint (any layout)."""
     from megatron.core import dist_checkpointing
 
     meta = checkpoint.read_meta(path)
+    check_compatible(path, meta, model)
     same_world = meta["training_checkpoint"]["world_size"] == dist.get_world_size()
     if optimizer is not None:
         _init_adam_state(optimizer)

@@ -1,28 +1,9 @@
-"""Periodic acceptance-length evaluation, through `megatron_specdec.decoding`'s
-`evaluate_acceptance` (the generation/validation package). Until that package exists a
-recipe asking for evaluation is refused at start-up rather than silently not evaluated."""
+"""Periodic acceptance-length evaluation of the draft being trained, through the decoding
+package's `evaluate_acceptance` (greedy chain generation on the recipe's prompt file).
+Each evaluation's full report goes to `<output_dir>/evaluation/step_<n>/acceptance.json`;
+the acceptance length and per-position acceptance go to the log and TensorBoard."""
 
-import logging
-
-from megatron_specdec.training.recipe import RecipeError
-
-log = logging.getLogger(__name__)
-
-
-def _evaluator():
-    try:
-        from megatron_specdec.decoding import evaluate_acceptance
-    except ImportError:
-        return None
-    return evaluate_acceptance
-
-
-def check_available(recipe):
-    if recipe.evaluation.interval and _evaluator() is None:
-        raise RecipeError(
-            "recipe key 'evaluation.interval': acceptance evaluation needs "
-            "megatron_specdec.decoding.evaluate_acceptance, which this install lacks; "
-            "set evaluation.interval=0")
+from pathlib import Path
 
 
 def due(recipe, step: int) -> bool:
@@ -30,12 +11,24 @@ def due(recipe, step: int) -> bool:
     return bool(interval) and (step % interval == 0 or step == recipe.training.steps)
 
 
-def run(recipe, model, tokenizer, step: int, reporter):
-    """Acceptance length of the current draft on the recipe's prompt file (all ranks)."""
+def run(recipe, model, tokenizer, step: int, reporter) -> dict:
+    """Collective over the model-parallel group; every rank gets the overall summary."""
+    from megatron_specdec.decoding.validate import evaluate_acceptance
+
     e = recipe.evaluation
-    result = _evaluator()(model, tokenizer, e.prompts, num_prompts=e.num_prompts,
-                          max_new_tokens=e.max_new_tokens, draft_tokens=e.draft_tokens)
-    reporter.scalar("eval/acceptance_length", float(result["acceptance_length"]), step)
-    reporter.event({"event": "evaluation", "step": step, **result})
+    report = evaluate_acceptance(
+        model, e.prompts, tokenizer, max_new_tokens=e.max_new_tokens,
+        num_draft_tokens=e.draft_tokens, num_prompts=e.num_prompts,
+        out_dir=Path(recipe.output_dir) / "evaluation" / f"step_{step:07d}",
+        compare_greedy=False, progress=False)
     model.train()
-    return result
+    overall = report["overall"]
+    reporter.scalar("eval/acceptance_length", overall["acceptance_length"], step)
+    for j, rate in enumerate(overall["position_acceptance"], start=1):
+        if rate is not None:
+            reporter.scalar(f"eval/position{j}_acceptance", rate, step)
+    summary = {"step": step, "acceptance_length": overall["acceptance_length"],
+               "position_acceptance": overall["position_acceptance"],
+               "categories": {c: s["acceptance_length"] for c, s in report["categories"].items()}}
+    reporter.event({"event": "evaluation", **summary})
+    return summary

@@ -1,4 +1,5 @@
-"""AdamW over the draft parameters only, a warmup + cosine schedule, and the two collective
+"""AdamW over the draft parameters only, a warmup + cosine schedule (a pure function of the
+step, so the step count is the scheduler's whole checkpointed state), and the two collective
 steps megatron's DDP/optimizer would do: averaging gradients over data parallel and clipping
 by the global norm over the model-parallel group (each TP-replicated parameter counted once).
 
@@ -29,13 +30,6 @@ def lr_at(step: int, cfg, total_steps: int) -> float:
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer, cfg, total_steps: int):
-    """A LambdaLR whose factor gives `lr_at`; its state (last_epoch) is checkpointed."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr
-    )
 
 
 def average_data_parallel_grads(params):

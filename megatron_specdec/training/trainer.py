@@ -8,7 +8,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
