@@ -104,3 +104,25 @@ def test_no_resume_refuses_existing_checkpoints(trained):
     result = ts.run(argv + ["checkpointing.resume=false"])
     assert result.startswith("error: RecipeError") and "checkpointing.resume" in result, result
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listing
+
+
+def test_checkpoint_of_another_draft_refused_by_key(trained):
+    from types import SimpleNamespace
+
+    from megatron_specdec import spec_config
+    from megatron_specdec.checkpoint import read_meta
+
+    path = checkpoints.step_dir(trained[3] / "checkpoints", 2)
+    meta = read_meta(path)
+    saved = spec_config.from_dict(meta["training_checkpoint"]["draft"])
+    hf = meta["hf_config"]
+    model = SimpleNamespace(spec_config=saved, vocab_size=hf["vocab_size"],
+                            config=SimpleNamespace(hidden_size=hf["hidden_size"],
+                                                   num_layers=hf["num_hidden_layers"]))
+    checkpoints.check_compatible(path, meta, model)
+    saved.ttt_steps += 1  # may change on resume
+    checkpoints.check_compatible(path, meta, model)
+    model.spec_config = spec_config.parse("eagle3", {"draft_vocab_size": 128},
+                                          hf["num_hidden_layers"], hf["vocab_size"])
+    with pytest.raises(CheckpointError, match="draft_vocab_size, padded_draft_vocab_size"):
+        checkpoints.check_compatible(path, meta, model)
