@@ -1,13 +1,13 @@
 """Speculative generation on a small seeded random Llama (fast): identity with plain greedy
 for EAGLE3 and Medusa at TP=1, TP=2 and PP=2; an oracle drafter that proposes the known
 greedy continuation with planned mistakes, so rounds accept several tokens and roll back at
-chosen places (exact accepted counts); the EAGLE3 draft cache after many rollbacks equals a
-fresh prefill; the cached draft chain equals the training-time-test unroll."""
+chosen places (exact accepted counts)."""
 
 import pytest
 import torch
 
 from megatron_specdec import distributed
+from megatron_specdec.decoding.oracle import OracleDrafter
 
 HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=512, max_position_embeddings=256,
@@ -34,32 +34,6 @@ def build(algo):
     load_hf_into_model(base, hf, state)
     torch.manual_seed(1)
     return convert(base, algo, ALGOS[algo], hf_config=hf).eval()
-
-
-class OracleDrafter:
-    """Runs the real drafter (its cache goes through every accept and rollback) but proposes
-    the known greedy continuation, wrong at the emitted positions in `wrong_at`."""
-
-    def __init__(self, inner, continuation, wrong_at, vocab_size):
-        self.inner, self.continuation = inner, continuation
-        self.wrong_at, self.vocab_size = set(wrong_at), vocab_size
-        self.emitted = 0
-
-    def start(self, prompt, pending, out, max_length):
-        self.inner.start(prompt, pending, out, max_length)
-        self.emitted = 1
-
-    def propose(self, k):
-        own = self.inner.propose(k)
-        ids = []
-        for pos in range(self.emitted, self.emitted + k):
-            token = self.continuation[pos]
-            ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
-        return torch.tensor([ids], dtype=own.dtype, device=own.device)
-
-    def accept(self, num_accepted, new_tokens, out):
-        self.inner.accept(num_accepted, new_tokens, out)
-        self.emitted += num_accepted + 1
 
 
 def expected_accepts(k, new_tokens, wrong_at):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from test_speculative_generation import OracleDrafter, expected_accepts
+from megatron_specdec.decoding.oracle import OracleDrafter
+from test_speculative_generation import expected_accepts
 
 K, NEW = 4, 24
 WRONG_AT = (3, 4, 11)

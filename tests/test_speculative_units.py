@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from test_speculative_generation import (HF, K, NEW, PROMPT, WRONG_AT, OracleDrafter, build,
-                                         expected_accepts)
+from megatron_specdec.decoding.oracle import OracleDrafter
+from test_speculative_generation import HF, K, NEW, PROMPT, WRONG_AT, build, expected_accepts
 
 
 @pytest.fixture(scope="module")

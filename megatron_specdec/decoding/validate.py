@@ -149,7 +149,7 @@ def plot_acceptance(report, path):
             marker="o", label=f"overall ({overall['acceptance_length']:.2f})")
     ax.set_xlabel("draft position j")
     ax.set_ylabel("P(j accepted | j-1 accepted)")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(-0.02, 1.02)
     ax.set_xticks(positions)
     ax.set_title(f"{report['algo']}: acceptance length {overall['acceptance_length']:.2f} "
                  f"(k={k}, {report['num_prompts']} prompts)")

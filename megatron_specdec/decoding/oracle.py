@@ -1,0 +1,36 @@
+"""A drafter that knows the answer: it proposes a given continuation (the base's own greedy
+output), optionally wrong at chosen positions, while still running a real drafter so that
+drafter's cache goes through every accept and rollback.
+
+Used to exercise multi-token acceptance and rollback with exact expected acceptance counts
+(tests), and to measure the ceiling of the draft-verify machinery itself: the tokens/s a
+perfect draft of this cost would reach in this runtime (bench)."""
+
+import torch
+
+
+class OracleDrafter:
+    def __init__(self, inner, continuation, wrong_at=(), vocab_size: int = None):
+        """continuation: token ids the base will emit after the prompt; positions past its end
+        are proposed as token 0. wrong_at: emitted positions proposed as (token + 1) % vocab."""
+        self.inner, self.continuation = inner, list(continuation)
+        self.wrong_at, self.vocab_size = set(wrong_at), vocab_size
+        if self.wrong_at and vocab_size is None:
+            raise ValueError("wrong_at needs vocab_size")
+        self.emitted = 0
+
+    def start(self, prompt, pending, out, max_length):
+        self.inner.start(prompt, pending, out, max_length)
+        self.emitted = 1
+
+    def propose(self, k):
+        own = self.inner.propose(k)
+        ids = []
+        for pos in range(self.emitted, self.emitted + k):
+            token = self.continuation[pos] if pos < len(self.continuation) else 0
+            ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
+        return torch.tensor([ids], dtype=own.dtype, device=own.device)
+
+    def accept(self, num_accepted, new_tokens, out):
+        self.inner.accept(num_accepted, new_tokens, out)
+        self.emitted += num_accepted + 1
