@@ -175,24 +175,3 @@ def convert_checkpoint(model_path, export_dir, algo, config=None, calibration_da
     else:
         distributed.spawn(_convert_worker, tp * pp, *args)
     return cfg
-
-
-def draft_hf_tensors(ckpt_dir):
-    """(draft config, base hf_config, draft tensors in the HF layout) of a speculative
-    checkpoint, saved at any layout, in one process: the weight table applied to the
-    checkpoint's global tensors (TP padding of query groups and vocabularies dropped)."""
-    from megatron_specdec.hf_conversion import megatron_global_state
-    from megatron_specdec.weights import eagle3, mapping, medusa
-
-    meta, hf_config, state = megatron_global_state(ckpt_dir)
-    if "draft" not in meta:
-        raise checkpoint.CheckpointError(f"{ckpt_dir} holds no draft module (not a speculative checkpoint)")
-    cfg = spec_config.from_dict(meta["draft"])
-    table = eagle3 if cfg.algo == "eagle3" else medusa
-    prefix = table.CHECKPOINT_PREFIX
-    draft = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    if cfg.algo == "eagle3":
-        geo, count = eagle3.geometry(hf_config, meta["padding"], cfg), cfg.eagle_num_layers
-    else:
-        geo, count = mapping.Geometry.from_hf(hf_config, meta["padding"]), cfg.medusa_num_heads
-    return cfg, hf_config, mapping.megatron_to_hf(table.rules(cfg), draft, geo, count)

@@ -50,7 +50,8 @@ def _cli(argv, capsys):
 def _train_worker(ckpt, out_file):
     """Load at TP=1 x PP=1, take two optimizer steps, report what changed."""
     from megatron_specdec.spec_model import forward_backward, reduce_reports
-    from megatron_specdec.speculative import draft_hf_tensors, load_speculative
+    from megatron_specdec.export import draft_source, eagle3_hf
+    from megatron_specdec.speculative import load_speculative
 
     distributed.initialize(1, 1)
     model, hf_config, meta = load_speculative(ckpt)
@@ -76,7 +77,8 @@ def _train_worker(ckpt, out_file):
         "num_draft": len(draft_before),
         "optimizer_holds_base": any(id(p) in state_ids for p in model.base.parameters()),
         "base_requires_grad": any(p.requires_grad for p in model.base.parameters()),
-        "hf": draft_hf_tensors(ckpt)[2],  # what export reads (the checkpoint as saved at PP=2)
+        # what export reads (the checkpoint as saved at PP=2)
+        "hf": eagle3_hf.hf_tensors(draft_source.read_draft(ckpt, "eagle3")),
     }, out_file)
 
 
