@@ -55,11 +55,11 @@ def _build(name):
                 if "norm" in pname or "blocks" in pname:
                     p.add_(0.1 * torch.randn(p.shape, generator=g))
             if algo == "eagle3":
-                # Padded draft-vocabulary rows are masked (never trained) but initialised at
-                # random; zero them, as a canonical checkpoint holds (export drops them).
+                # Padded draft-vocabulary rows are masked (never trained) and start at zero,
+                # which import(export(x)) == x relies on (export drops them).
                 lm_head = model.draft.lm_head.weight
                 rows = torch.arange(lm_head.shape[0]) + model.draft.vocab_offset
-                lm_head[rows >= 300] = 0
+                assert not lm_head[rows >= 300].any()
                 targets = torch.randperm(500, generator=g)[:300].sort().values
                 t2d = torch.zeros(500, dtype=torch.bool)
                 t2d[targets] = True
