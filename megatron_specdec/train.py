@@ -25,19 +25,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    from megatron_specdec import distributed
     from megatron_specdec.training import load_recipe, train
 
     args = parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
-    summary = train(recipe)
-    if summary and _rank0():
-        print(json.dumps(summary, indent=2))
-
-
-def _rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        summary = train(recipe)
+        if distributed.is_rank0():
+            print(json.dumps(summary, indent=2))
+    finally:
+        distributed.destroy()
 
 
 if __name__ == "__main__":
