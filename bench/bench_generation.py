@@ -19,6 +19,7 @@ bench/results/generation.json (the plot next to it).
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -88,6 +89,7 @@ def main():
 
     distributed.initialize(1, 1)
     model, tokenizer_dir, what = build(args)
+    load_before = os.getloadavg()[0]
     out = Path(args.out)
     report = evaluate_acceptance(model, args.data, tokenizer_dir,
                                  max_new_tokens=args.max_new_tokens,
@@ -105,6 +107,7 @@ def main():
         "model": what,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "layout": "TP=1 PP=1, batch 1, float32",
+        "load_average_1min": [load_before, os.getloadavg()[0]],  # other work on the machine
         **{k: report[k] for k in ("algo", "num_draft_tokens", "max_new_tokens", "num_prompts",
                                   "prompts", "new_tokens", "speculative_tokens_per_s",
                                   "greedy_tokens_per_s", "speedup", "identical_to_greedy")},
