@@ -2,7 +2,7 @@
 
 Every rank of the model-parallel group runs the same loop. Pipeline stages hand hidden states
 to the next stage with point-to-point sends; the last stage gathers the vocab-parallel logits
-(megatron-core insists on that in inference) and broadcasts the chosen tokens back to all stages. Prompts are left-padded; pad keys are
+and broadcasts the chosen tokens back to all stages. Prompts are left-padded; pad keys are
 masked out, and RoPE is relative, so a row's result does not depend on its padding.
 """
 
@@ -13,9 +13,15 @@ import torch.distributed as dist
 class StageRunner:
     """One forward of this pipeline stage over a static KV cache: `step(tokens)` appends
     `tokens` [b, s] to the cache and returns full-vocabulary logits [b, s, V] on the last
-    stage (None elsewhere). `rewind(n)` drops the last n cached positions."""
+    stage (None elsewhere). `rewind(n)` drops the last n cached positions.
 
-    def __init__(self, model, batch_size: int, max_length: int, vocab_size: int):
+    The stage runs as explicit code (embedding, each decoder layer, final norm, output
+    layer) rather than through GPTModel.forward, so that a speculative decoder can read the
+    residual stream after chosen layers (`capture_ids`, 0-based output-of-layer) and the
+    final normed hidden state (`capture_final`) from `captured` after each step."""
+
+    def __init__(self, model, batch_size: int, max_length: int, vocab_size: int,
+                 capture_ids=(), capture_final: bool = False):
         from megatron.core import parallel_state as ps
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -32,6 +38,9 @@ class StageRunner:
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.params_dtype
         self.key_padding = torch.zeros(batch_size, 0, dtype=torch.bool)
+        self.capture_ids = set(capture_ids)
+        self.capture_final = capture_final
+        self.captured = {}
 
     @property
     def length(self) -> int:
@@ -56,20 +65,45 @@ class StageRunner:
     def step(self, tokens: torch.Tensor):
         b, s = tokens.shape
         device = tokens.device
-        if not self.first:
+        if self.first:
+            positions = torch.arange(self.length, self.length + s, device=device).expand(b, s)
+            hidden = self.model.embedding(input_ids=tokens, position_ids=positions)
+        else:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)
-            self.model.set_input_tensor(hidden)
-        positions = torch.arange(self.length, self.length + s, device=device).expand(b, s)
-        out = self.model(
-            tokens, positions, self._mask(s, device), inference_context=self.context,
-            runtime_gather_output=True,
-        )
+        hidden = self._layers(hidden, self._mask(s, device))
         self.context.sequence_len_offset += s
         if not self.last:
-            dist.send(out.contiguous(), dst=self.next_rank)
+            dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
-        return out[..., : self.vocab_size].float()
+        return self._logits(hidden)
+
+    def _layers(self, hidden, mask):
+        """This stage's decoder layers over the cache (as TransformerBlock runs them in
+        inference), recording the outputs named in `capture_ids`."""
+        self.captured = {}
+        # Static batching slices this table by the cache offset inside each attention.
+        rotary = self.model.rotary_pos_emb(self.context.max_sequence_length)
+        for layer in self.model.decoder.layers:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary,
+                              inference_context=self.context)
+            if layer.layer_number - 1 in self.capture_ids:
+                self.captured[layer.layer_number - 1] = hidden
+        return hidden
+
+    def _logits(self, hidden):
+        """Final norm and output layer; the vocab-parallel logits are gathered over TP."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        model = self.model
+        hidden = model.decoder.final_layernorm(hidden)
+        if self.capture_final:
+            self.captured["final"] = hidden
+        weight = (model.shared_embedding_or_output_weight()
+                  if model.share_embeddings_and_output_weights else None)
+        logits, _ = model.output_layer(hidden, weight=weight)
+        logits = gather_from_tensor_model_parallel_region(logits)
+        return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
     def rewind(self, n: int):
         self.context.sequence_len_offset -= n

@@ -24,8 +24,7 @@ def eagle3():
 def _prefill(model, tokens, max_length):
     from megatron_specdec.decoding.base_runner import BaseRunner
 
-    with BaseRunner(model, 1, max_length) as runner:
-        return runner.step(torch.tensor([tokens]))
+    return BaseRunner(model, 1, max_length).step(torch.tensor([tokens]))
 
 
 def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):

@@ -3,7 +3,8 @@ reads: the captured residual stream of the aux layers (EAGLE3) and the final nor
 state (Medusa), delivered to the last pipeline stage.
 
 `BaseRunner` composes generation.StageRunner (the cache, masks and stage-to-stage hand-off
-of the plain greedy path) with forward hooks on the captured layers. Under PP an aux layer
+of the plain greedy path), whose explicit stage forward records the residual stream after
+the aux layers and the final normed state (no hooks). Under PP an aux layer
 may live on an earlier stage: after each forward that stage sends its capture straight to
 the last stage (same TP rank), in aux-id order, so the pairwise message order stays fixed.
 """
@@ -34,8 +35,9 @@ class BaseRunner:
         from megatron.core import parallel_state as ps
 
         base = model.base
-        self.stage = StageRunner(base, batch_size, max_length, model.vocab_size)
         self.aux_ids = list(model.aux_layer_ids)
+        self.stage = StageRunner(base, batch_size, max_length, model.vocab_size,
+                                 capture_ids=self.aux_ids, capture_final=model.algo == "medusa")
         pp_group = ps.get_pipeline_model_parallel_group()
         owned = [layer.layer_number - 1 for layer in base.decoder.layers]
         per_stage = [None] * dist.get_world_size(pp_group)
@@ -44,21 +46,6 @@ class BaseRunner:
         self.owner = {i: stage_ranks[s] for s, ids in enumerate(per_stage) for i in ids
                       if i in self.aux_ids}
         self.rank = dist.get_rank()
-        self._captured = {}
-        self._hooks = []
-        for layer in base.decoder.layers:
-            layer_id = layer.layer_number - 1
-            if layer_id in self.aux_ids:
-                self._hooks.append(layer.register_forward_hook(self._capture(layer_id)))
-        if self.last and model.algo == "medusa":
-            self._hooks.append(
-                base.decoder.final_layernorm.register_forward_hook(self._capture("final"))
-            )
-
-    def _capture(self, key):
-        def hook(module, args, output):
-            self._captured[key] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     @property
     def last(self) -> bool:
@@ -70,36 +57,26 @@ class BaseRunner:
 
     def step(self, tokens: Tensor) -> Optional[BaseOutput]:
         """Append tokens [b, s] to the cache; the last stage gets a BaseOutput."""
-        self._captured.clear()
         logits = self.stage.step(tokens)
+        captured = self.stage.captured
         last_rank = self.stage.last_rank
         aux = []
         for i in self.aux_ids:
             if self.owner[i] == self.rank and not self.last:
-                dist.send(self._captured[i].contiguous(), dst=last_rank)
+                dist.send(captured[i].contiguous(), dst=last_rank)
             elif self.last:
                 if self.owner[i] != self.rank:
                     s, b = tokens.shape[1], tokens.shape[0]
-                    self._captured[i] = torch.empty(s, b, self.stage.hidden_size,
-                                                    dtype=self.stage.dtype, device=tokens.device)
-                    dist.recv(self._captured[i], src=self.owner[i])
-                aux.append(self._captured[i])
+                    captured[i] = torch.empty(s, b, self.stage.hidden_size,
+                                              dtype=self.stage.dtype, device=tokens.device)
+                    dist.recv(captured[i], src=self.owner[i])
+                aux.append(captured[i])
         if not self.last:
             return None
-        return BaseOutput(logits, torch.cat(aux, dim=-1) if aux else None,
-                          self._captured.get("final"))
+        return BaseOutput(logits, torch.cat(aux, dim=-1) if aux else None, captured.get("final"))
 
     def rewind(self, n: int):
         self.stage.rewind(n)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
         return self.stage.broadcast_from_last(tensor)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        """Remove the capture hooks: the model outlives this runner."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

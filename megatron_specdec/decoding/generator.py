@@ -86,32 +86,32 @@ class SpeculativeGenerator:
         if max_new_tokens <= 0:
             return result
         max_length = prompt.shape[1] + max_new_tokens + k + 1
-        with BaseRunner(self.model, 1, max_length) as runner:
-            out = runner.step(prompt)
-            pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+        runner = BaseRunner(self.model, 1, max_length)
+        out = runner.step(prompt)
+        pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+        if runner.last:
+            pending[:, 0] = out.logits[:, -1].argmax(-1)
+            drafter.start(prompt, pending, out, max_length)
+        runner.broadcast_from_last(pending)
+        if emit(int(pending)):
+            return result
+        while True:
+            drafts = torch.zeros(1, k, dtype=torch.long, device=prompt.device)
             if runner.last:
-                pending[:, 0] = out.logits[:, -1].argmax(-1)
-                drafter.start(prompt, pending, out, max_length)
-            runner.broadcast_from_last(pending)
-            if emit(int(pending)):
+                drafts = drafter.propose(k)
+            runner.broadcast_from_last(drafts)
+            out = runner.step(torch.cat([pending, drafts], dim=1))
+            verdict = torch.zeros(1, k + 2, dtype=torch.long, device=prompt.device)
+            if runner.last:
+                tokens, counts = greedy_chain_verify(drafts, out.logits)
+                verdict = torch.cat([tokens, counts[:, None]], dim=1)
+            runner.broadcast_from_last(verdict)
+            accepted = int(verdict[0, -1])
+            new = verdict[:, : accepted + 1]
+            result.accepted.append(accepted)
+            runner.rewind(k - accepted)
+            if any(emit(int(t)) for t in new[0]):
                 return result
-            while True:
-                drafts = torch.zeros(1, k, dtype=torch.long, device=prompt.device)
-                if runner.last:
-                    drafts = drafter.propose(k)
-                runner.broadcast_from_last(drafts)
-                out = runner.step(torch.cat([pending, drafts], dim=1))
-                verdict = torch.zeros(1, k + 2, dtype=torch.long, device=prompt.device)
-                if runner.last:
-                    tokens, counts = greedy_chain_verify(drafts, out.logits)
-                    verdict = torch.cat([tokens, counts[:, None]], dim=1)
-                runner.broadcast_from_last(verdict)
-                accepted = int(verdict[0, -1])
-                new = verdict[:, : accepted + 1]
-                result.accepted.append(accepted)
-                runner.rewind(k - accepted)
-                if any(emit(int(t)) for t in new[0]):
-                    return result
-                if runner.last:
-                    drafter.accept(accepted, new, out)
-                pending = new[:, -1:]
+            if runner.last:
+                drafter.accept(accepted, new, out)
+            pending = new[:, -1:]
