@@ -125,14 +125,14 @@ class SpeculativeGPTModel(MegatronModule):
         state = self.run_base(input_ids, attention_mask)
         if not self.post_process:
             return self._link(state.pack())
-        out = self._draft_loss(state, input_ids, loss_mask, attention_mask)
+        out = self.draft_loss(state, input_ids, loss_mask, attention_mask)
         out["loss_sum"] = self._link(out["loss_sum"])
         return out
 
     def _link(self, out: Tensor) -> Tensor:
         return out if self.pre_process else aux_capture.link_to_input(out, self.input_tensor)
 
-    def _draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
+    def draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
         hidden, base_logits = self.base_head(state.residual)
         vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
         if self.algo == "medusa":

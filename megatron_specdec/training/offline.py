@@ -163,7 +163,7 @@ def _stored_forward_step(data_iterator, model):
     if "aux" in batch:
         aux = list(batch["aux"].transpose(0, 1).contiguous().chunk(len(model.aux_layer_ids), -1))
     state = aux_capture.StageState(residual, embeds if model.carries_embeds else None, aux)
-    out = model._draft_loss(state, ids, batch["loss_mask"], batch.get("attention_mask"))
+    out = model.draft_loss(state, ids, batch["loss_mask"], batch.get("attention_mask"))
     return out, losses.loss_func
 
 
