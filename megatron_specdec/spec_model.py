@@ -133,6 +133,8 @@ class SpeculativeGPTModel(MegatronModule):
         return out if self.pre_process else aux_capture.link_to_input(out, self.input_tensor)
 
     def draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
+        """The draft's loss report from the last stage's base state (online forward and the
+        offline trainer, which replays dumped states, share it)."""
         hidden, base_logits = self.base_head(state.residual)
         vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
         if self.algo == "medusa":
