@@ -194,23 +194,32 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"dtype {name!r}; expected float32, bfloat16 or float16") from None
 
 
-def load_model_for_inference(path, dtype=None):
-    """(model, hf_config, tokenizer_dir) for this rank's TP/PP stage from a megatron_specdec
-    checkpoint, an HF model directory, or 'default' (the embedded SmolLM2). The caller has
-    initialised the process groups (`distributed.initialize`)."""
-    from megatron_specdec.default_model import resolve_model_path
-    from megatron_specdec.hf_conversion import model_from_hf
+def load_base_model(path, meta=None, dtype=None):
+    """(model, hf_config): this rank's base GPTModel stage built from a checkpoint's metadata
+    (config, padding, layer implementation) and loaded from it. A speculative checkpoint's
+    base keys are a base checkpoint's, so this reads the base of either."""
     from megatron_specdec.model_provider import build_model
 
-    path = resolve_model_path(path)
-    if not (path / META_FILE).is_file() and (path / "config.json").is_file():
-        model, config = model_from_hf(path, dtype or torch.float32)
-        return model.eval(), config, path
-    meta = read_meta(path)
+    meta = meta or read_meta(path)
     config = hf_config_from_meta(meta)
     model = build_model(
         config, dtype=dtype or dtype_from_name(meta["dtype"]),
         transformer_impl=meta["transformer_impl"], padding=meta["padding"],
     )
     load_checkpoint(model, path)
+    return model, config
+
+
+def load_model_for_inference(path, dtype=None):
+    """(model, hf_config, tokenizer_dir) for this rank's TP/PP stage from a megatron_specdec
+    checkpoint, an HF model directory, or 'default' (the embedded SmolLM2). The caller has
+    initialised the process groups (`distributed.initialize`)."""
+    from megatron_specdec.default_model import resolve_model_path
+    from megatron_specdec.hf_conversion import model_from_hf
+
+    path = resolve_model_path(path)
+    if not (path / META_FILE).is_file() and (path / "config.json").is_file():
+        model, config = model_from_hf(path, dtype or torch.float32)
+        return model.eval(), config, path
+    model, config = load_base_model(path, dtype=dtype)
     return model.eval(), config, path / TOKENIZER_DIR

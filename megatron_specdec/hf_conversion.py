@@ -62,14 +62,7 @@ def check_hf_state(hf_config, state: dict, hf_dir):
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
-    for name, shape in expected.items():
-        if name not in state:
-            raise mapping.WeightMappingError(
-                f"tensor {name!r} is missing from {hf_dir} (expected shape {shape})")
-        if tuple(state[name].shape) != shape:
-            raise mapping.WeightMappingError(
-                f"tensor {name!r} in {hf_dir}: expected shape {shape}, "
-                f"found {tuple(state[name].shape)}")
+    mapping.check_shapes(expected, state, hf_dir)
 
 
 def weight_rules(hf_config):

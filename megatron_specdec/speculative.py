@@ -126,14 +126,10 @@ def calibrate_draft_vocab(model_path, calibration_data, draft_vocab_size: int, v
 
 def _convert_worker(model_path, export_dir, cfg_entry, draft_vocab, tp, pp, overwrite):
     from megatron_specdec import distributed
-    from megatron_specdec.model_provider import build_model
 
     distributed.initialize(tp, pp)
     meta = _base_checkpoint_meta(model_path)
-    hf_config = checkpoint.hf_config_from_meta(meta)
-    base = build_model(hf_config, dtype=checkpoint.dtype_from_name(meta["dtype"]),
-                       padding=meta["padding"], transformer_impl=meta["transformer_impl"])
-    checkpoint.load_checkpoint(base, model_path)
+    base, hf_config = checkpoint.load_base_model(model_path, meta)
     model = attach(base, spec_config.from_dict(cfg_entry), hf_config)
     if draft_vocab is not None and model.draft is not None:
         model.draft.set_draft_vocab(*draft_vocab)

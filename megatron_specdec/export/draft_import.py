@@ -123,14 +123,7 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise mapping.WeightMappingError(f"{draft_dir}: unexpected tensor(s) {', '.join(unknown)}")
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise mapping.WeightMappingError(
-                f"tensor {name!r} is missing from {draft_dir} (expected shape {shape})")
-        if tuple(tensors[name].shape) != shape:
-            raise mapping.WeightMappingError(
-                f"tensor {name!r} in {draft_dir}: expected shape {shape}, "
-                f"found {tuple(tensors[name].shape)}")
+    mapping.check_shapes(expected, tensors, draft_dir)
     d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
     targets = torch.arange(d2t.numel()) + d2t
     if not torch.equal(t2d.nonzero().flatten(), targets):
@@ -143,15 +136,11 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
     from megatron.core import parallel_state as ps
 
     from megatron_specdec import distributed
-    from megatron_specdec.model_provider import build_model
     from megatron_specdec.speculative import attach, save_speculative
 
     distributed.initialize(tp, pp)
     meta = _base_meta(base_ckpt)
-    hf_config = checkpoint.hf_config_from_meta(meta)
-    base = build_model(hf_config, dtype=checkpoint.dtype_from_name(meta["dtype"]),
-                       padding=meta["padding"], transformer_impl=meta["transformer_impl"])
-    checkpoint.load_checkpoint(base, base_ckpt)
+    base, hf_config = checkpoint.load_base_model(base_ckpt, meta)
     cfg = spec_config.from_dict(cfg_entry)
     model = attach(base, cfg, hf_config)
     if model.draft is not None:

@@ -60,6 +60,19 @@ class WeightMappingError(KeyError):
         return str(self.args[0])
 
 
+def check_shapes(expected: dict, tensors: dict, source):
+    """Every tensor named in `expected` ({name: shape}) is in `tensors` with that shape; the
+    error names the tensor, `source` (a file or directory), expected and found shape."""
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise WeightMappingError(
+                f"tensor {name!r} is missing from {source} (expected shape {shape})")
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise WeightMappingError(
+                f"tensor {name!r} in {source}: expected shape {tuple(shape)}, "
+                f"found {tuple(tensors[name].shape)}")
+
+
 def _expand(template: str, layer: Optional[int]) -> str:
     return template.format(i=layer) if layer is not None else template
 
