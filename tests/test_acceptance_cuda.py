@@ -17,7 +17,13 @@ CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
 
 def test_there_are_cuda_kernels():
     names = {os.path.basename(f) for f in CU_FILES}
-    assert {"chain_verify.cu", "tree_verify.cu", "typical_verify.cu"} <= names
+    assert {"chain_verify_cuda.cu", "tree_verify_cuda.cu", "typical_verify_cuda.cu"} <= names
+
+
+def test_sources_have_distinct_object_names():
+    """setuptools/ninja names objects by stem: x.cpp and x.cu would both build x.o."""
+    stems = [os.path.splitext(f)[0] for f in glob.glob(os.path.join(CSRC, "*.c*"))]
+    assert len(stems) == len(set(stems)), sorted(stems)
 
 
 def test_python_limits_match_the_kernels():
@@ -37,6 +43,19 @@ def test_cu_file_compiles(source, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert obj.stat().st_size > 0
     assert "warning" not in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot link-check the .cu files")
+def test_cu_files_link_together(tmp_path):
+    """Header functions defined in several .cu files must not collide at link time."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    lib = tmp_path / "kernels.so"
+    cmd = ["nvcc", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC", "-shared", "-I", CSRC, *CU_FILES,
+           "-o", str(lib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "multiple definition" not in proc.stderr, proc.stderr
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")

@@ -52,7 +52,7 @@ struct Shared {
   int64_t bcast_idx;
 };
 
-__device__ double block_sum(double v, Shared& sh) {
+__device__ inline double block_sum(double v, Shared& sh) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   if (threadIdx.x % 32 == 0) sh.vals[threadIdx.x / 32] = v;
   __syncthreads();
@@ -67,7 +67,7 @@ __device__ double block_sum(double v, Shared& sh) {
   return r;
 }
 
-__device__ double block_max(double v, Shared& sh) {
+__device__ inline double block_max(double v, Shared& sh) {
   for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(kFullMask, v, o));
   if (threadIdx.x % 32 == 0) sh.vals[threadIdx.x / 32] = v;
   __syncthreads();
@@ -226,14 +226,14 @@ __device__ void row_probs(const T* row, int64_t vocab, const RowDist& d, double 
   __syncthreads();
 }
 
-__device__ double buffer_sum(const double* w, int64_t vocab, Shared& sh) {
+__device__ inline double buffer_sum(const double* w, int64_t vocab, Shared& sh) {
   double s = 0.0;
   for (int64_t j = threadIdx.x; j < vocab; j += kThreads) s += w[j];
   return block_sum(s, sh);
 }
 
 // Inverse-CDF draw from weights w: the first index whose running sum exceeds u * total.
-__device__ int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
+__device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
   const int64_t chunk = (vocab + kThreads - 1) / kThreads;
   const int64_t begin = threadIdx.x * chunk, end = begin + chunk < vocab ? begin + chunk : vocab;
   double s = 0.0;
