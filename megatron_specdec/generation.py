@@ -62,7 +62,9 @@ class StageRunner:
         return (future | pad[:, None, :]).unsqueeze(1)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor):
+    def step(self, tokens: torch.Tensor, last_only: bool = False):
+        """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
+        `last_only` just the final position's, so a long prefill never holds [b, s, vocab]."""
         b, s = tokens.shape
         device = tokens.device
         if self.first:
@@ -76,7 +78,7 @@ class StageRunner:
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
-        return self._logits(hidden)
+        return self._logits(hidden[-1:] if last_only else hidden)
 
     def _layers(self, hidden, mask):
         """This stage's decoder layers over the cache (as TransformerBlock runs them in
@@ -145,15 +147,16 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
     results = [[] for _ in range(batch)]
     step_input = tokens
     for _ in range(max_new_tokens):
-        logits = runner.step(step_input)
+        logits = runner.step(step_input, last_only=True)
         next_tokens = torch.zeros(batch, dtype=torch.long, device=tokens.device)
         if runner.last:
             next_tokens = logits[:, -1].argmax(-1)
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done
-        for i in range(batch):
-            if not finished[i]:
-                results[i].append(int(next_tokens[i]))
+        # One device->host copy per step, not one per row.
+        for i, (token, stop) in enumerate(zip(next_tokens.tolist(), finished.tolist())):
+            if not stop:
+                results[i].append(token)
         done = finished
         if bool(done.all()):
             break
