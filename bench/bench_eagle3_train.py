@@ -105,7 +105,7 @@ def loss_worker(tp, vocab, tokens, out_file):
         base = torch.randn(tokens, vocab // tp, generator=g)
         logits = torch.randn(tokens, draft // tp, generator=g, requires_grad=True)
         target = losses.draft_target_logits(base, target_ids, draft)
-        losses.soft_cross_entropy(logits, target).sum().backward()
+        losses.soft_cross_entropy(logits, losses.target_probs(target)).sum().backward()
         del base, logits, target
     delta = _gather_max((mem.peak - mem.before) / 2**20)
     if torch.distributed.get_rank() == 0:

@@ -68,7 +68,7 @@ def test_soft_cross_entropy_matches_plain_softmax(one_process):
     logits = torch.randn(n, padded, generator=g).requires_grad_()
     masked = logits.masked_fill(torch.arange(padded) >= draft, float("-inf"))
     target = losses.draft_target_logits(base, target_ids, padded)
-    got = losses.soft_cross_entropy(masked, target)
+    got = losses.soft_cross_entropy(masked, losses.target_probs(target))
     got.sum().backward()
     ref_logits = logits.detach()[:, :draft].clone().requires_grad_()
     p = torch.softmax(base[:, target_ids], -1)

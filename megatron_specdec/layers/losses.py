@@ -59,22 +59,30 @@ def draft_target_logits(base_logits: Tensor, target_ids: Tensor, padded_draft_vo
     return out.t()
 
 
+def _split_softmax(logits: Tensor):
+    """exp(x - max), max and sum of the softmax of logits split over TP (float32)."""
+    logits = logits.float()
+    top = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
+    exp = torch.exp(logits - top[:, None])
+    return exp, top, _all_reduce(exp.sum(-1))
+
+
+@torch.no_grad()
+def target_probs(target_logits: Tensor) -> Tensor:
+    """Softmax of vocab-parallel target logits; computed once and shared by every TTT step."""
+    exp, _, total = _split_softmax(target_logits)
+    return exp.div_(total[:, None])
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     """-sum_d p_d log q_d per token, both distributions split over TP on the same columns."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target_logits: Tensor):
-        logits = logits.float()
-        target_logits = target_logits.float()
-        q_max = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
-        q_exp = torch.exp(logits - q_max[:, None])
-        q_sum = _all_reduce(q_exp.sum(-1))
-        log_q = logits - q_max[:, None] - torch.log(q_sum)[:, None]
-        p_max = _all_reduce(target_logits.max(-1).values, dist.ReduceOp.MAX)
-        p = torch.exp(target_logits - p_max[:, None])
-        p /= _all_reduce(p.sum(-1))[:, None]
+    def forward(ctx, logits: Tensor, p: Tensor):
+        q_exp, q_max, q_sum = _split_softmax(logits)
+        log_q = logits.float() - q_max[:, None] - torch.log(q_sum)[:, None]
         loss = _all_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1))
-        ctx.save_for_backward(q_exp / q_sum[:, None], p)
+        ctx.save_for_backward(q_exp.div_(q_sum[:, None]), p)
         return loss
 
     @staticmethod
@@ -83,10 +91,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return (q - p) * grad[:, None], None
 
 
-def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
+def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
     """Per-token soft cross-entropy [N] of vocab-parallel logits against vocab-parallel target
-    logits (softmax taken over the whole, split, vocabulary)."""
-    return _SoftCrossEntropy.apply(logits, target_logits)
+    probabilities `probs` (from `target_probs`; softmax over the whole, split, vocabulary)."""
+    return _SoftCrossEntropy.apply(logits, probs)
 
 
 @torch.no_grad()
@@ -139,7 +147,7 @@ def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tenso
     s, b, _ = base_logits.shape
     following = torch.cat([base_logits[1:], base_logits[-1:]])  # base at u+1
     flat = following.reshape(s * b, -1)
-    target = draft_target_logits(flat, target_ids, padded_draft_vocab)
+    target = target_probs(draft_target_logits(flat, target_ids, padded_draft_vocab))
     with torch.no_grad():
         padded = torch.arange(base_offset, base_offset + flat.shape[1], device=flat.device)
         base_top = vocab_parallel_argmax(flat.masked_fill(padded >= vocab_size, float("-inf")),
