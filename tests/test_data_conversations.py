@@ -111,3 +111,26 @@ def test_read_conversations_validates_and_dedupes(tmp_path, caplog):
         assert f"{path}:{lineno}" in caplog.text and reason in caplog.text
     with pytest.raises(DataError, match=rf"{path}:2: roles must alternate"):
         read_conversations([path], on_error="fail")
+
+
+def test_gzip_files_read_like_plain_ones(tmp_path):
+    import gzip
+
+    lines = [json.dumps({"id": "a", "conversations": CHAT[:2]}), "{not json",
+             json.dumps({"id": "b", "conversations": CHAT})]
+    plain, packed = tmp_path / "c.jsonl", tmp_path / "c.jsonl.gz"
+    plain.write_text("\n".join(lines) + "\n")
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    assert read_conversations(packed) == read_conversations(plain)
+    with pytest.raises(DataError, match=rf"{packed}:2: invalid JSON"):
+        read_conversations([packed], on_error="fail")
+
+
+def test_committed_regenerated_dataset_is_readable():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "data" / "smollm2_regen.jsonl.gz"
+    rows = read_conversations([path], on_error="fail")
+    assert len(rows) == 4320
+    assert all(r["conversations"][-1]["role"] == "assistant" for r in rows)

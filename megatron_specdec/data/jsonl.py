@@ -1,6 +1,7 @@
 """JSON-lines reading with file:line error reports, and a kill-safe append-only writer."""
 
 import fcntl
+import gzip
 import json
 import logging
 import os
@@ -41,11 +42,13 @@ class BadRows:
 
 
 def iter_jsonl(path, bad_rows: BadRows) -> Iterator[tuple[int, dict]]:
-    """Yield (1-based line number, object) for each non-blank line; other lines go to `bad_rows`."""
+    """Yield (1-based line number, object) for each non-blank line; other lines go to `bad_rows`.
+    A `.gz` file is read decompressed (committed datasets are stored that way)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
