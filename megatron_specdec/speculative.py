@@ -1,8 +1,9 @@
 """`megatron_specdec.convert(model, algo, config)`: a GPTModel -> a SpeculativeGPTModel.
 
 The draft module is built on the last pipeline stage of the current TP/PP layout and
-initialised (EAGLE3: megatron init, zero padded query groups; Medusa: identity blocks and
-lm_heads copied from the base lm_head); the base is frozen. `load_speculative` rebuilds a
+initialised (EAGLE3: drawn in the HF layout from one seed, so every TP layout starts from the
+same draft, see weights/eagle3_init.py; Medusa: identity blocks and lm_heads copied from the
+base lm_head); the base is frozen. `load_speculative` rebuilds a
 speculative model from a checkpoint written by `save_speculative`; `convert_checkpoint` turns
 a base checkpoint into a speculative one (checkpoint_tools/convert_speculative.py).
 """
@@ -29,14 +30,15 @@ def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int =
         return None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _new_draft(model, cfg, vocab_size, real_query_groups).to(device())
+        return _new_draft(model, cfg, vocab_size, real_query_groups, seed).to(device())
 
 
-def _new_draft(model, cfg, vocab_size, real_query_groups):
+def _new_draft(model, cfg, vocab_size, real_query_groups, seed):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_specdec.layers import specs
     from megatron_specdec.layers.medusa import MedusaHeads
+    from megatron_specdec.weights import eagle3_init
 
     config = model.config
     if cfg.algo == "medusa":
@@ -49,7 +51,7 @@ def _new_draft(model, cfg, vocab_size, real_query_groups):
             num_aux=len(cfg.aux_layer_ids), draft_vocab_size=cfg.draft_vocab_size,
             padded_draft_vocab_size=cfg.padded_draft_vocab_size, vocab_size=vocab_size,
         )
-        draft.zero_padded_query_groups(real_query_groups)
+        eagle3_init.initialize_draft(draft, config, cfg, real_query_groups, vocab_size, seed)
     return draft
 
 

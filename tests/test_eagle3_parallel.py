@@ -1,7 +1,7 @@
 """EAGLE3 and Medusa at TP=2, PP=2 and TP2xPP2 against one process: same loss, per-step
 statistics and draft gradients (float32, 1e-5). Also: the base stays frozen, padded query
-groups hold zeros (and get zero gradients), and a speculative checkpoint saved at TP=2 loads
-at PP=2 with the same loss.
+groups hold zeros (and get zero gradients), `convert` gives the same initial draft on every
+layout, and a speculative checkpoint saved at TP=2 loads at PP=2 with the same loss.
 
 The model is SmolLM2-shaped in miniature: 3 query groups (zero-padded to 4 at TP=2) and a
 500-token vocabulary (padded to 512). Every layout starts from the same weights, exchanged
@@ -127,8 +127,8 @@ def run(algo, hf_draft):
     base_grads = [p.grad for p in model.base.parameters() if p.grad is not None]
     result = {"base_grads": len(base_grads), "last": model.post_process}
     fresh = build(algo)
-    if fresh.post_process:
-        hf_draft_tensors(fresh, grads=False)  # convert zero-initialises padded query groups
+    if fresh.post_process:  # the draft `convert` starts from (padding checked to be zero)
+        result["fresh"] = hf_draft_tensors(fresh, grads=False)
     if model.post_process:
         result["embeds"] = model.embed_tokens(batches()[0]["input_ids"])  # for drafting
         result["report"] = reduce_reports(reports)
@@ -210,6 +210,10 @@ def test_parallel_layouts_match_single_process(reference, tmp_path, tp, pp):
             assert _close(got["report"][key], want["report"][key]), (algo, key, got, want)
         assert set(got["grads"]) == set(want["grads"])
         assert _close(got["embeds"], want["embeds"])  # tied lookup on the last stage
+        # The initial draft is the same on every layout (3 query groups at TP=1, 4 at TP=2).
+        assert set(got["fresh"]) == set(want["fresh"])
+        for name, t in want["fresh"].items():
+            assert torch.equal(got["fresh"][name], t), (algo, name)
         for name, grad in want["grads"].items():
             assert grad.abs().max() > 0, (algo, name)
             assert _close(got["grads"][name], grad), (algo, name)

@@ -136,19 +136,3 @@ class Eagle3Module(MegatronModule):
             hidden, step_logits = self.step(embeds, hidden, rotary_pos_emb, mask, kv_blocks)
             logits.append(step_logits)
         return logits
-
-    @torch.no_grad()
-    def zero_padded_query_groups(self, real_groups: int):
-        """Query groups added so TP divides them must hold zeros (they then stay zero in
-        training and are dropped on export): zero their q/k/v rows and o_proj columns."""
-        for layer in self.layers:
-            attn = layer.self_attention
-            groups_here = attn.num_query_groups_per_partition
-            first = ps.get_tensor_model_parallel_rank() * groups_here
-            per_group = attn.linear_qkv.weight.shape[0] // groups_here
-            heads_per_group = attn.num_attention_heads_per_partition // groups_here
-            for g in range(groups_here):
-                if first + g >= real_groups:
-                    attn.linear_qkv.weight[g * per_group:(g + 1) * per_group] = 0
-                    cols = heads_per_group * attn.hidden_size_per_attention_head
-                    attn.linear_proj.weight[:, g * cols:(g + 1) * cols] = 0
