@@ -127,3 +127,18 @@ def test_train_from_speculative_checkpoint(setup, reference):
     assert summary["steps"] == 1 and summary["algo"] == "eagle3", summary
     result = ts.run(argv + ["draft.algo=medusa", f"output_dir={root / 'from_final_medusa'}"])
     assert result.startswith("error: RecipeError") and "draft.algo" in result, result
+
+
+@pytest.mark.slow
+def test_train_from_base_checkpoint(setup, reference):
+    """model.path may be a base megatron checkpoint: its weights are the base (the losses are
+    the reference run's, which read the same model from the HF directory)."""
+    from megatron_specdec.hf_conversion import hf_to_megatron
+
+    root, model, data = setup
+    ckpt = root / "base_ckpt"
+    hf_to_megatron(str(model), ckpt, tp=1)
+    out = root / "from_base_ckpt"
+    summary = ts.run(ts.overrides(ckpt, data, out))
+    assert summary["steps"] == STEPS, summary
+    _close(ts.losses(out), reference, 1e-5)

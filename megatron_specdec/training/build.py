@@ -40,9 +40,12 @@ def load_base(recipe):
         base, hf_config = model_from_hf(path, dtype, impl)
         return base, hf_config, base_meta(hf_config, base, dtype, impl), path, None
     meta = checkpoint.read_meta(path)
-    hf_config = checkpoint.hf_config_from_meta(meta)
-    base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
-                       transformer_impl=meta["transformer_impl"])
+    if "draft" not in meta:  # a base checkpoint: its weights are the frozen base
+        base, hf_config = checkpoint.load_base_model(path, meta, dtype)
+    else:  # a speculative one: build_speculative loads base and draft together
+        hf_config = checkpoint.hf_config_from_meta(meta)
+        base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
+                           transformer_impl=meta["transformer_impl"])
     return base, hf_config, _base_meta(meta), path / checkpoint.TOKENIZER_DIR, meta.get("draft")
 
 
