@@ -92,7 +92,8 @@ def main(argv=None):
           f"(a {args.train_steps}-step draft; the README's comes from the full recipe); speculative "
           f"output identical to greedy: {report['identical_to_greedy']}")
     print("seconds: " + ", ".join(f"step {k.split(' ', 1)[0]} {v}" for k, v in timings.items()))
-    if report["identical_to_greedy"].split("/")[0] != report["identical_to_greedy"].split("/")[1]:
+    identical, compared = report["identical_to_greedy"].split("/")
+    if identical != compared:
         raise SystemExit("speculative output differs from greedy output")
 
 

@@ -86,10 +86,6 @@ class Eagle3Module(MegatronModule):
             torch.arange(self.vocab_offset, self.vocab_offset + per_rank) >= draft_vocab_size,
             persistent=False,
         )
-        # Padded rows are masked to -inf, so they never train: keep them zero, which makes
-        # import(export(x)) == x (export drops them, import fills zeros).
-        with torch.no_grad():
-            self.lm_head.weight[self._padded_ids] = 0
 
     def target_ids(self) -> Tensor:
         """Target id of every draft id, int64 [draft_vocab_size]."""

@@ -6,6 +6,8 @@ The first layer's q/k/v read the 2h concatenation [embedding, hidden], so their 
 are [.., 2h]; the `qkv` rule interleaves them per query group like the base's.
 """
 
+import dataclasses
+
 from megatron_specdec.weights.mapping import Geometry, Rule
 
 CHECKPOINT_PREFIX = "eagle3."
@@ -39,9 +41,10 @@ def rules(cfg):
 
 def geometry(hf_config, padding: dict, cfg) -> Geometry:
     """Shapes of the draft: the base's heads (and padded query groups), the draft vocabulary."""
-    base = Geometry.from_hf(hf_config, padding)
-    return Geometry(
-        num_heads=base.num_heads, num_groups=base.num_groups, head_dim=base.head_dim,
-        vocab_size=cfg.draft_vocab_size, padded_vocab_size=cfg.padded_draft_vocab_size,
-        padded_groups=base.padded_groups,
-    )
+    return with_draft_vocab(Geometry.from_hf(hf_config, padding), cfg)
+
+
+def with_draft_vocab(base: Geometry, cfg) -> Geometry:
+    """The draft's geometry from its base's: same heads and groups, the draft vocabulary."""
+    return dataclasses.replace(base, vocab_size=cfg.draft_vocab_size,
+                               padded_vocab_size=cfg.padded_draft_vocab_size)

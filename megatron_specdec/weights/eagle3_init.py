@@ -5,7 +5,8 @@ at another TP has another number of zero-padded query groups (SmolLM2: 3 at TP=1
 so one seed gave different drafts, and different losses, at TP=1 and TP=2. Here every tensor
 is drawn once in the HF layout (unpadded, unsharded) from one generator, then padded and split
 by the same declarative table an import uses: padded query groups and padded lm_head rows
-start at zero on every layout.
+start at zero on every layout. Padded rows are masked to -inf, so they never train and stay
+zero, which keeps import(export(x)) == x (export drops them, import fills zeros).
 """
 
 import math
@@ -22,11 +23,12 @@ _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
 def draft_geometry(config, cfg, real_query_groups: int) -> mapping.Geometry:
     """Geometry of a draft built on a base whose megatron config may carry padded groups."""
     heads_per_group = config.num_attention_heads // config.num_query_groups
-    return mapping.Geometry(
+    base = mapping.Geometry(
         num_heads=real_query_groups * heads_per_group, num_groups=real_query_groups,
-        head_dim=config.kv_channels, vocab_size=cfg.draft_vocab_size,
-        padded_vocab_size=cfg.padded_draft_vocab_size, padded_groups=config.num_query_groups,
+        head_dim=config.kv_channels, vocab_size=0, padded_vocab_size=0,
+        padded_groups=config.num_query_groups,
     )
+    return eagle3.with_draft_vocab(base, cfg)
 
 
 def hf_initial_state(config, cfg, geo: mapping.Geometry, vocab_size: int, seed: int) -> dict:
