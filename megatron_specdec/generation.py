@@ -1,4 +1,4 @@
-"""Batched greedy generation from a Megatron GPTModel with a static KV cache, at any TP/PP.
+"""Batched greedy (or sampled) generation from a Megatron GPTModel with a static KV cache, at any TP/PP.
 
 Every rank of the model-parallel group runs the same loop. Pipeline stages hand hidden states
 to the next stage with point-to-point sends; the last stage gathers the vocab-parallel logits
@@ -131,13 +131,18 @@ def left_pad(prompts, pad_id: int, device=None):
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=()):
-    """Greedy continuations of `prompts` (lists of token ids), stopping a row at any id in
-    `eos_ids` (not included in its result) or after `max_new_tokens`. `vocab_size` is the
-    unpadded vocabulary. All model-parallel ranks call this with the same prompts; every
-    rank returns the result."""
+def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
+                    temperature: float = 0.0, top_p: float = 1.0, generator=None):
+    """Continuations of `prompts` (lists of token ids), stopping a row at any id in `eos_ids`
+    (not included in its result) or after `max_new_tokens`. `vocab_size` is the unpadded
+    vocabulary. Greedy by default; `temperature` > 0 samples (after top-p) from the last
+    stage's `generator`, which data synthesis uses to draw diverse prompts. All
+    model-parallel ranks call this with the same prompts; every rank returns the result."""
+    from megatron_specdec.acceptance.reference import target_probs
     from megatron_specdec.distributed import device
 
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
     tokens, padding = left_pad(prompts, 0, device())
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
@@ -149,8 +154,11 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
     for _ in range(max_new_tokens):
         logits = runner.step(step_input, last_only=True)
         next_tokens = torch.zeros(batch, dtype=torch.long, device=tokens.device)
-        if runner.last:
+        if runner.last and temperature == 0:
             next_tokens = logits[:, -1].argmax(-1)
+        elif runner.last:
+            probs = target_probs(logits[:, -1], temperature, top_p=top_p)
+            next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done
         # One device->host copy per step, not one per row.

@@ -1,4 +1,4 @@
-"""CLI: python -m megatron_specdec.data {regenerate,calibrate,sources} --help"""
+"""CLI: python -m megatron_specdec.data {regenerate,synthesize,calibrate,sources} --help"""
 
 import argparse
 import logging
@@ -36,19 +36,39 @@ def _source_args(p, default_sources):
     )
 
 
+def _backend_args(p):
+    p.add_argument("--backend", choices=("megatron", "openai"), required=True)
+    p.add_argument(
+        "--tokenizer",
+        help="HF tokenizer dir of the target, or 'default' "
+        "(default: the checkpoint's for megatron, 'default' for openai)",
+    )
+    p.add_argument(
+        "--checkpoint", default="default", help="megatron backend: model checkpoint or 'default'"
+    )
+    p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="openai backend: served model name")
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="openai backend: token-id prompts (exact template) or chat messages",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="openai backend: seconds per request"
+    )
+    p.add_argument("--max-retries", type=int, default=5, help="openai backend: retries per request")
+
+
 def _specs(args) -> list:
     names = [s for s in args.sources.split(",") if s]
     return names + args.source_spec
 
 
-def _regenerate(args):
+def _backend(args):
+    """(backend, tokenizer) named by the shared --backend flags."""
     from megatron_specdec.data.conversations import load_tokenizer
-    from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
-    from megatron_specdec.data.sources import read_sources
 
-    rows = read_sources(_specs(args), args.data_dir, args.on_error)
-    rows = select_shard(rows, args.shard_index, args.num_shards, args.limit)
-    out = shard_output_path(args.out, args.shard_index, args.num_shards)
     if args.backend == "openai":
         from megatron_specdec.data.openai_backend import OpenAIBackend
 
@@ -58,13 +78,23 @@ def _regenerate(args):
         backend = OpenAIBackend(
             args.url, args.model, tokenizer, args.endpoint, args.timeout, args.max_retries
         )
-    else:
-        from megatron_specdec.data.megatron_backend import MegatronBackend
+        return backend, tokenizer
+    from megatron_specdec.data.megatron_backend import MegatronBackend
 
-        backend = MegatronBackend(
-            args.checkpoint, load_tokenizer(args.tokenizer) if args.tokenizer else None
-        )
-        tokenizer = backend.tokenizer
+    backend = MegatronBackend(
+        args.checkpoint, load_tokenizer(args.tokenizer) if args.tokenizer else None
+    )
+    return backend, backend.tokenizer
+
+
+def _regenerate(args):
+    from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
+    from megatron_specdec.data.sources import read_sources
+
+    rows = read_sources(_specs(args), args.data_dir, args.on_error)
+    rows = select_shard(rows, args.shard_index, args.num_shards, args.limit)
+    out = shard_output_path(args.out, args.shard_index, args.num_shards)
+    backend, tokenizer = _backend(args)
     log.info("shard %d/%d: %d prompts -> %s", args.shard_index, args.num_shards, len(rows), out)
     regenerate(
         rows,
@@ -74,6 +104,25 @@ def _regenerate(args):
         args.batch_size,
         args.max_new_tokens,
         args.system_prompt,
+        progress=not args.no_progress,
+    )
+
+
+def _synthesize(args):
+    from megatron_specdec.data.synthesize import synthesize_prompts
+
+    backend, tokenizer = _backend(args)
+    synthesize_prompts(
+        backend,
+        tokenizer,
+        args.out,
+        args.num_prompts,
+        args.batch_size,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        system_prompt=args.system_prompt,
         progress=not args.no_progress,
     )
 
@@ -135,27 +184,7 @@ def main(argv=None):
     p.add_argument(
         "--out", required=True, help="conversations jsonl (appended; a rerun resumes it)"
     )
-    p.add_argument("--backend", choices=("megatron", "openai"), required=True)
-    p.add_argument(
-        "--tokenizer",
-        help="HF tokenizer dir of the target, or 'default' "
-        "(default: the checkpoint's for megatron, 'default' for openai)",
-    )
-    p.add_argument(
-        "--checkpoint", default="default", help="megatron backend: model checkpoint or 'default'"
-    )
-    p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="openai backend: served model name")
-    p.add_argument(
-        "--endpoint",
-        choices=("completions", "chat"),
-        default="completions",
-        help="openai backend: token-id prompts (exact template) or chat messages",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=600.0, help="openai backend: seconds per request"
-    )
-    p.add_argument("--max-retries", type=int, default=5, help="openai backend: retries per request")
+    _backend_args(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument(
@@ -170,6 +199,22 @@ def main(argv=None):
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_regenerate)
+
+    p = sub.add_parser(
+        "synthesize",
+        help="sample user prompts from the target itself (Magpie-style), for `regenerate`",
+    )
+    _backend_args(p)
+    p.add_argument("--out", required=True, help="prompts jsonl ({id, prompt}; a rerun resumes it)")
+    p.add_argument("--num-prompts", type=int, required=True, help="candidates to sample")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="longer candidates are dropped")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-prompt", help="system message before the user turn (default: none)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_synthesize)
 
     p = sub.add_parser("calibrate", help="build the draft vocabulary (d2t, t2d) from conversations")
     p.add_argument("--data", nargs="+", required=True, help="conversations jsonl file(s)")

@@ -7,6 +7,8 @@ package (and the OpenAI path) never pull in Megatron. Single process (tp=pp=1).
 
 from typing import Optional
 
+import torch
+
 from megatron_specdec.data.conversations import end_of_turn_ids, load_tokenizer
 
 
@@ -21,14 +23,27 @@ class MegatronBackend:
         distributed.initialize(tp=1, pp=1)
         self.model, config, tokenizer_dir = load_model_for_inference(checkpoint)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
-        self._greedy_generate = greedy_generate
+        self._generate = greedy_generate
         self._vocab_size = config.vocab_size
         self._eos_ids = end_of_turn_ids(self.tokenizer)
 
     def generate(self, prompts: list, max_new_tokens: int, messages: Optional[list] = None) -> list:
-        completions = self._greedy_generate(
-            self.model, prompts, max_new_tokens, self._vocab_size, self._eos_ids
+        return self._with_eos(
+            self._generate(self.model, prompts, max_new_tokens, self._vocab_size, self._eos_ids),
+            max_new_tokens,
         )
+
+    def sample(self, prompts: list, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int) -> list:
+        """Sampled continuations, reproducible for a given seed."""
+        from megatron_specdec.distributed import device
+
+        generator = torch.Generator(device=device()).manual_seed(seed)
+        completions = self._generate(self.model, prompts, max_new_tokens, self._vocab_size,
+                                     self._eos_ids, temperature, top_p, generator)
+        return self._with_eos(completions, max_new_tokens)
+
+    def _with_eos(self, completions, max_new_tokens):
         # greedy_generate drops the end-of-turn id; a row shorter than the budget stopped on one.
         eos = min(self._eos_ids)
         return [ids + [eos] if len(ids) < max_new_tokens else ids for ids in completions]

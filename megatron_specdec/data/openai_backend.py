@@ -54,11 +54,7 @@ class OpenAIBackend:
     def generate(self, prompts: list, max_new_tokens: int, messages: Optional[list] = None) -> list:
         common = {"model": self.model, "max_tokens": max_new_tokens, "temperature": 0.0}
         if self.endpoint == "completions":
-            choices = self._post({**common, "prompt": prompts})["choices"]
-            if len(choices) != len(prompts):
-                raise BackendError(f"{self.url}: {len(choices)} choices for {len(prompts)} prompts")
-            choices = sorted(choices, key=lambda c: c.get("index", 0))
-            return [self._ids(c.get("text"), c) for c in choices]
+            return self._complete({**common, "prompt": prompts}, len(prompts))
         if messages is None:
             raise BackendError("the chat endpoint needs the prompts as messages")
         with ThreadPoolExecutor(max_workers=max(1, len(messages))) as pool:
@@ -66,6 +62,22 @@ class OpenAIBackend:
                 pool.map(lambda m: self._post({**common, "messages": m})["choices"][0], messages)
             )
         return [self._ids((c.get("message") or {}).get("content"), c) for c in replies]
+
+    def sample(self, prompts: list, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int) -> list:
+        """Sampled continuations of raw token-id prompts (completions endpoint only)."""
+        if self.endpoint != "completions":
+            raise BackendError("sampling from raw token-id prefixes needs --endpoint completions")
+        body = {"model": self.model, "max_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "seed": seed, "prompt": prompts}
+        return self._complete(body, len(prompts))
+
+    def _complete(self, body: dict, n: int) -> list:
+        choices = self._post(body)["choices"]
+        if len(choices) != n:
+            raise BackendError(f"{self.url}: {len(choices)} choices for {n} prompts")
+        choices = sorted(choices, key=lambda c: c.get("index", 0))
+        return [self._ids(c.get("text"), c) for c in choices]
 
     def _ids(self, text, choice) -> list:
         if not isinstance(text, str):

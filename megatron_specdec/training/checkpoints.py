@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_specdec import checkpoint
+from megatron_specdec.distributed import device
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
 
 
 def _max_over_world(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

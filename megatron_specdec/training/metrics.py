@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_specdec.distributed import device
+
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "summary.json"
 
@@ -23,13 +25,14 @@ def num_draft_steps(cfg) -> int:
 def step_stats(reports, num_steps: int) -> dict:
     """Loss per scored token, per-step loss and top-1 accuracy of one optimizer step, summed
     over micro-batches and data-parallel replicas (the last stage's TP rank 0 contributes)."""
-    vec = torch.zeros(2 + 3 * num_steps, dtype=torch.float64)
+    vec = torch.zeros(2 + 3 * num_steps, dtype=torch.float64, device=device())
     if reports and ps.get_tensor_model_parallel_rank() == 0:
         total = {k: sum(r[k] for r in reports) for k in reports[0]}
         vec[0], vec[1] = float(total["loss_sum"]), float(total["num_tokens"])
         for i, key in enumerate(("step_loss", "step_correct", "step_count")):
             vec[2 + i * num_steps: 2 + (i + 1) * num_steps] = total[key].double()
     dist.all_reduce(vec)
+    vec = vec.cpu()
     loss_sum, tokens = float(vec[0]), float(vec[1])
     step_loss, correct, count = vec[2:].view(3, num_steps)
     count = count.clamp(min=1)

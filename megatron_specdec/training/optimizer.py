@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from megatron_specdec.distributed import device
+
 
 def build_optimizer(params, cfg) -> torch.optim.AdamW:
     # foreach=False: the same per-tensor update whatever the TP split (bitwise resumable).
@@ -51,7 +53,7 @@ def average_data_parallel_grads(params):
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global L2 norm of the draft gradients (scaled down to `max_norm` when above it; 0 = no
     clipping). Returns the norm before clipping."""
-    squares = torch.zeros(1, dtype=torch.float64)
+    squares = torch.zeros(1, dtype=torch.float64, device=device())
     for p in params:
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
             squares += p.grad.double().pow(2).sum()
