@@ -13,6 +13,7 @@ from typing import List, Optional
 ALGOS = ("eagle3", "medusa")
 # ModelOpt names its EAGLE mode "eagle"; only EAGLE3 is implemented here.
 _MODE_ALIASES = {"eagle": "eagle3", "eagle3": "eagle3", "medusa": "medusa"}
+LM_HEAD_INITS = ("base", "random")
 DRAFT_VOCAB_MULTIPLE = 128  # padded draft vocabulary is independent of TP (reshardable)
 
 
@@ -34,6 +35,9 @@ class Eagle3Config:
     eagle_aux_hidden_state_layer_ids: Optional[List[int]] = None
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # "base": lm_head rows and final norm start as the base's output rows of the draft ids
+    # (so a short run learns the hidden state, not a vocabulary); "random": drawn from the seed.
+    lm_head_init: str = "random"
     # Derived, stored so a checkpoint reloads at any TP: not user keys.
     padded_draft_vocab_size: Optional[int] = field(default=None, metadata={"derived": True})
 
@@ -92,6 +96,10 @@ def _validate_eagle3(cfg: Eagle3Config, num_layers: int, vocab_size: int):
     _check_int("ttt_steps", cfg.ttt_steps, 1)
     if not 0.0 < float(cfg.ttt_decay) <= 1.0:
         raise SpecConfigError(f"ttt_decay={cfg.ttt_decay} is out of range (valid: (0, 1])")
+    if cfg.lm_head_init not in LM_HEAD_INITS:
+        raise SpecConfigError(
+            f"lm_head_init={cfg.lm_head_init!r} is not one of {', '.join(LM_HEAD_INITS)}"
+        )
     if cfg.draft_vocab_size is None:
         cfg.draft_vocab_size = vocab_size
     _check_int("draft_vocab_size", cfg.draft_vocab_size, 1, vocab_size)

@@ -2,7 +2,8 @@
 
 The draft module is built on the last pipeline stage of the current TP/PP layout and
 initialised (EAGLE3: drawn in the HF layout from one seed, so every TP layout starts from the
-same draft, see weights/eagle3_init.py; Medusa: identity blocks and lm_heads copied from the
+same draft, see weights/eagle3_init.py, with lm_head rows and final norm taken from the base
+unless `lm_head_init="random"`; Medusa: identity blocks and lm_heads copied from the
 base lm_head); the base is frozen. `load_speculative` rebuilds a
 speculative model from a checkpoint written by `save_speculative`; `convert_checkpoint` turns
 a base checkpoint into a speculative one (checkpoint_tools/convert_speculative.py).
@@ -52,7 +53,21 @@ def _new_draft(model, cfg, vocab_size, real_query_groups, seed):
             padded_draft_vocab_size=cfg.padded_draft_vocab_size, vocab_size=vocab_size,
         )
         eagle3_init.initialize_draft(draft, config, cfg, real_query_groups, vocab_size, seed)
+        _init_eagle3_output(model, draft, cfg)
     return draft
+
+
+def _init_eagle3_output(base, draft, cfg):
+    if cfg.lm_head_init == "base":
+        draft.init_output_from_base(_base_lm_head(base), base.decoder.final_layernorm.weight)
+
+
+def set_draft_vocab(model: SpeculativeGPTModel, d2t, t2d):
+    """Install a calibrated draft vocabulary in a fresh EAGLE3 draft (this stage's, if any);
+    lm_head rows initialised from the base follow their new target ids."""
+    if model.draft is not None:
+        model.draft.set_draft_vocab(d2t, t2d)
+        _init_eagle3_output(model.base, model.draft, model.spec_config)
 
 
 def attach(model, cfg, hf_config=None) -> SpeculativeGPTModel:
@@ -133,8 +148,8 @@ def _convert_worker(model_path, export_dir, cfg_entry, draft_vocab, tp, pp, over
     meta = _base_checkpoint_meta(model_path)
     base, hf_config = checkpoint.load_base_model(model_path, meta)
     model = attach(base, spec_config.from_dict(cfg_entry), hf_config)
-    if draft_vocab is not None and model.draft is not None:
-        model.draft.set_draft_vocab(*draft_vocab)
+    if draft_vocab is not None:
+        set_draft_vocab(model, *draft_vocab)
     save_speculative(model, export_dir, meta, Path(model_path) / checkpoint.TOKENIZER_DIR, overwrite)
 
 

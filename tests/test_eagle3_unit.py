@@ -38,6 +38,7 @@ def test_config_defaults_and_modelopt_forms():
     ("eagle3", {"eagle_aux_hidden_state_layer_ids": [1, 30]}, "aux layer id 30 is out of range"),
     ("eagle3", {"eagle_aux_hidden_state_layer_ids": [-1]}, "valid: 0..29"),
     ("eagle3", {"draft_vocab_size": 49153}, "draft_vocab_size=49153 is out of range"),
+    ("eagle3", {"lm_head_init": "tied"}, "lm_head_init='tied' is not one of base, random"),
     ("eagle3", {"ttt_steps": 0}, "ttt_steps=0"),
     ("medusa", {"medusa_head_weights": [1.0]}, "needs 4 non-negative values"),
     ("lookahead", {}, "valid: eagle3, medusa"),
@@ -265,3 +266,34 @@ def test_modelopt_layernorm_switches(one_process):
     assert "midlayer.input_layernorm.weight" not in hf_state and "norm.weight" not in hf_state
     out = model(torch.randint(0, 512, (1, 8)), torch.ones(1, 8))
     assert torch.isfinite(out["loss_sum"]) and out["step_loss"].shape == (2,)
+
+
+def test_lm_head_init_from_base_follows_the_draft_vocab(one_process):
+    """lm_head_init="base": each draft row is the base's output row of its target id, and a
+    calibrated vocabulary moves the rows with it; the final norm is the base's."""
+    from megatron_specdec.hf_conversion import load_hf_into_model
+    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.speculative import convert, set_draft_vocab
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                     max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(hf).eval()
+    with torch.no_grad():
+        hf_model.model.norm.weight.uniform_(0.5, 2.0)
+    base = build_model(hf)
+    load_hf_into_model(base, hf, hf_model.state_dict())
+    model = convert(base, "eagle3", {"draft_vocab_size": 300, "lm_head_init": "base"}, hf_config=hf)
+    table = hf_model.model.embed_tokens.weight.detach()
+    head = model.draft.lm_head.weight
+    assert torch.equal(head[:300], table[:300]) and (head[300:] == 0).all()
+    assert torch.equal(model.draft.final_layernorm.weight, hf_model.model.norm.weight.detach())
+    targets = torch.randperm(512, generator=torch.Generator().manual_seed(3))[:300].sort().values
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[targets] = True
+    set_draft_vocab(model, targets - torch.arange(300), t2d)
+    assert torch.equal(model.draft.lm_head.weight[:300], table[targets])
+    random = convert(build_model(hf), "eagle3", {"draft_vocab_size": 300}, hf_config=hf)
+    assert not torch.equal(random.draft.lm_head.weight[:300], table[:300])

@@ -103,6 +103,24 @@ class Eagle3Module(MegatronModule):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    @torch.no_grad()
+    def init_output_from_base(self, base_lm_head_shard: Tensor, base_final_norm: Tensor):
+        """lm_head rows := the base's output rows of each draft id's target id (padded rows
+        zero), final norm := the base's. `base_lm_head_shard` is this TP rank's vocab-parallel
+        slice; the full table is gathered so every TP layout gets the same draft."""
+        group = ps.get_tensor_model_parallel_group()
+        shards = [torch.empty_like(base_lm_head_shard)
+                  for _ in range(ps.get_tensor_model_parallel_world_size())]
+        torch.distributed.all_gather(shards, base_lm_head_shard.contiguous(), group=group)
+        rows = torch.cat(shards)[self.target_ids().to(base_lm_head_shard.device)]
+        weight = self.lm_head.weight
+        padded = torch.zeros(weight.shape[0] * ps.get_tensor_model_parallel_world_size(),
+                             rows.shape[1], dtype=weight.dtype, device=weight.device)
+        padded[: rows.shape[0]] = rows
+        weight.copy_(padded[self.vocab_offset: self.vocab_offset + weight.shape[0]])
+        if hasattr(self.final_layernorm, "weight"):
+            self.final_layernorm.weight.copy_(base_final_norm)
+
     def project(self, aux: Tensor) -> Tensor:
         """Captured base states [s, b, n_aux*h] -> the draft's hidden input [s, b, h]."""
         return self.fc(aux)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_specdec import checkpoint, spec_config
-from megatron_specdec.speculative import attach
+from megatron_specdec.speculative import attach, set_draft_vocab
 from megatron_specdec.default_model import resolve_model_path
 from megatron_specdec.training.recipe import RecipeError
 
@@ -95,7 +95,5 @@ def build_speculative(recipe, calibrate: bool = True):
     if stored is not None:
         checkpoint.load_checkpoint(model, resolve_model_path(recipe.model.path))
     elif (calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size):
-        d2t, t2d = _calibrated_vocab(recipe, tokenizer, cfg, hf_config.vocab_size)
-        if model.draft is not None:
-            model.draft.set_draft_vocab(d2t, t2d)
+        set_draft_vocab(model, *_calibrated_vocab(recipe, tokenizer, cfg, hf_config.vocab_size))
     return model, hf_config, meta, tokenizer, tokenizer_dir
