@@ -13,7 +13,8 @@ import torch.distributed as dist
 class StageRunner:
     """One forward of this pipeline stage over a static KV cache: `step(tokens)` appends
     `tokens` [b, s] to the cache and returns full-vocabulary logits [b, s, V] on the last
-    stage (None elsewhere). `rewind(n)` drops the last n cached positions.
+    stage (None elsewhere). `rewind(n)` drops the last n cached positions; `compact` keeps
+    chosen ones (a verified draft tree's accepted path).
 
     The stage runs as explicit code (embedding, each decoder layer, final norm, output
     layer) rather than through GPTModel.forward, so that a speculative decoder can read the
@@ -62,30 +63,45 @@ class StageRunner:
         return (future | pad[:, None, :]).unsqueeze(1)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, last_only: bool = False):
+    def step(self, tokens: torch.Tensor, last_only: bool = False, positions=None,
+             attention_mask=None):
         """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
-        `last_only` just the final position's, so a long prefill never holds [b, s, vocab]."""
+        `last_only` just the final position's, so a long prefill never holds [b, s, vocab].
+
+        By default token i goes to RoPE position = cache slot and attends causally. A draft
+        tree passes its own `positions` [s] (shared by the batch) and `attention_mask`
+        [b|1, 1, s, length + s] (True = may not attend); the cached slots before it must hold
+        position = slot, which `compact` restores."""
         b, s = tokens.shape
         device = tokens.device
         if self.first:
-            positions = torch.arange(self.length, self.length + s, device=device).expand(b, s)
-            hidden = self.model.embedding(input_ids=tokens, position_ids=positions)
+            pos = (torch.arange(self.length, self.length + s, device=device)
+                   if positions is None else positions)
+            hidden = self.model.embedding(input_ids=tokens, position_ids=pos.expand(b, s))
         else:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)
-        hidden = self._layers(hidden, self._mask(s, device))
+        mask = self._mask(s, device) if attention_mask is None else attention_mask
+        hidden = self._layers(hidden, mask, positions)
         self.context.sequence_len_offset += s
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
         return self._logits(hidden[-1:] if last_only else hidden)
 
-    def _layers(self, hidden, mask):
+    def _layers(self, hidden, mask, positions=None):
         """This stage's decoder layers over the cache (as TransformerBlock runs them in
         inference), recording the outputs named in `capture_ids`."""
         self.captured = {}
-        # Static batching slices this table by the cache offset inside each attention.
+        # Static batching slices this table by the cache offset inside each attention
+        # (queries: the new slots; keys: all slots, rotated after the cache read).
         rotary = self.model.rotary_pos_emb(self.context.max_sequence_length)
+        if positions is not None:  # one row per slot, holding that slot's position
+            if self.model.config.flash_decode:
+                raise NotImplementedError("explicit positions need RoPE applied after the "
+                                          "cache read (flash_decode caches rotated keys)")
+            slots = torch.arange(self.length, device=positions.device)
+            rotary = rotary[torch.cat([slots, positions])]
         for layer in self.model.decoder.layers:
             hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary,
                               inference_context=self.context)
@@ -109,6 +125,16 @@ class StageRunner:
 
     def rewind(self, n: int):
         self.context.sequence_len_offset -= n
+
+    def compact(self, start: int, slots: torch.Tensor):
+        """Move the cached entries at `slots` (ascending, >= start) to start, start + 1, ...
+        and drop every later one. The cache holds keys before RoPE, so when each moved entry's
+        RoPE position equals its new slot (a tree's accepted path: prefix + depth) the result
+        is the cache a chain forward over the same tokens writes; nothing is recomputed."""
+        for key, value in self.context.key_value_memory_dict.values():
+            key[start: start + slots.numel()] = key[slots]
+            value[start: start + slots.numel()] = value[slots]
+        self.context.sequence_len_offset = start + slots.numel()
 
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Give every stage the last stage's `tensor` (same shape and dtype on all ranks)."""

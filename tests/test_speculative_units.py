@@ -1,7 +1,8 @@
 """Units of speculative generation in one process (small seeded random Llama): the EAGLE3
 draft cache after many accepts and rollbacks equals a fresh prefill of the same sequence;
 the cached draft chain reproduces the training-time-test unroll it was trained with; the
-acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG."""
+acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG, for chain
+and tree drafting."""
 
 import json
 import subprocess
@@ -145,6 +146,19 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     assert report["speculative_tokens_per_s"] > 0 and report["greedy_tokens_per_s"] > 0
     png = (out / "acceptance.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+    tree_out = tmp_path / "tree"
+    run = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(tree_out),
+         "--max-new-tokens", "12", "--tree-top-k", "2", "--tree-max-nodes", "5"],
+        capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tree = json.loads((tree_out / "acceptance.json").read_text())
+    assert tree["tree"] == {"top_k": 2, "max_nodes": 5, "nodes": 5}
+    assert tree["identical_to_greedy"] == "3/3"
+    assert 1.0 <= tree["overall"]["acceptance_length"] <= 4.0
+    assert (tree_out / "acceptance.png").is_file()
 
     missing = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",

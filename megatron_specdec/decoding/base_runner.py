@@ -28,6 +28,12 @@ class BaseOutput:
     aux: Optional[Tensor]
     hidden: Optional[Tensor]
 
+    def rows(self, index: Tensor) -> "BaseOutput":
+        """The states of the positions `index` (a verified tree's root and accepted path)."""
+        return BaseOutput(self.logits[:, index],
+                          None if self.aux is None else self.aux[index],
+                          None if self.hidden is None else self.hidden[index])
+
 
 class BaseRunner:
     def __init__(self, model, batch_size: int, max_length: int):
@@ -55,9 +61,10 @@ class BaseRunner:
     def length(self) -> int:
         return self.stage.length
 
-    def step(self, tokens: Tensor) -> Optional[BaseOutput]:
-        """Append tokens [b, s] to the cache; the last stage gets a BaseOutput."""
-        logits = self.stage.step(tokens)
+    def step(self, tokens: Tensor, positions=None, attention_mask=None) -> Optional[BaseOutput]:
+        """Append tokens [b, s] to the cache (positions and mask: see StageRunner.step); the
+        last stage gets a BaseOutput."""
+        logits = self.stage.step(tokens, positions=positions, attention_mask=attention_mask)
         captured = self.stage.captured
         last_rank = self.stage.last_rank
         aux = []
@@ -77,6 +84,9 @@ class BaseRunner:
 
     def rewind(self, n: int):
         self.stage.rewind(n)
+
+    def compact(self, start: int, slots: Tensor):
+        self.stage.compact(start, slots)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
         return self.stage.broadcast_from_last(tensor)

@@ -7,6 +7,11 @@ step's output hidden state and the embedding of the token it just drafted, and a
 all real entries plus the chain so far, exactly the keys its training-time-test step sees.
 Chain entries are dropped after drafting; once the base has verified, the accepted positions
 are re-fed with their real aux states. Slot index = position, so one causal mask serves both.
+
+A tree (tree.py) is drafted the same way, one draft forward per depth over the expanded
+frontier: a node at depth d runs at position t+d on its parent's output hidden state and
+its own token's embedding, attending to the real entries and the entries of its ancestors,
+so every root-to-node path sees exactly what the chain along it would.
 """
 
 from typing import Optional
@@ -14,6 +19,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron_specdec.decoding.tree import (
+    DraftTree,
+    TreeSpec,
+    ancestors,
+    grow_tree,
+    vocab_parallel_log_probs,
+)
 from megatron_specdec.layers.losses import vocab_parallel_argmax
 
 
@@ -41,16 +53,20 @@ class Eagle3Drafter:
                 values = torch.cat([v for _, v in blocks])[:n]
                 blocks[:] = [(keys, values)]
 
+    def _forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor):
+        """Append s cache entries: hidden [s, b, h], next_tokens [b, s], RoPE positions [s],
+        mask [1, 1, s, cached + s]. Returns (hidden out, logits) [s, b, ...]."""
+        embeds = self.embedding(input_ids=next_tokens, position_ids=None)
+        return self.module.step(embeds, hidden, self._rope[positions], mask, self.kv)
+
     def _step(self, hidden: Tensor, next_tokens: Tensor):
         """Append positions [cached, cached + s): hidden [s, b, h], next_tokens [b, s]."""
         s = hidden.shape[0]
         start = self._cached()
-        q = torch.arange(start, start + s, device=hidden.device)[:, None]
+        q = torch.arange(start, start + s, device=hidden.device)
         keys = torch.arange(start + s, device=hidden.device)[None, :]
-        mask = (keys > q)[None, None]
-        embeds = self.embedding(input_ids=next_tokens, position_ids=None)
-        hidden, logits = self.module.step(embeds, hidden, self._rope[start:start + s], mask,
-                                          self.kv)
+        mask = (keys > q[:, None])[None, None]
+        hidden, logits = self._forward(hidden, next_tokens, q, mask)
         self._last = (hidden[-1:], logits[-1:])
 
     def _argmax(self, logits: Tensor) -> Tensor:
@@ -84,7 +100,32 @@ class Eagle3Drafter:
         self._last = real
         return torch.stack(drafts, dim=1)
 
+    def propose_tree(self, depth: int, spec: TreeSpec) -> DraftTree:
+        """A draft tree (target ids) of `depth` levels after the newest real position, grown
+        as tree.py describes. Leaves the drafter as it found it, like `propose`."""
+        real_hidden, real_logits = self._last
+        size = self.module.draft_vocab_size
+        outputs = {}  # expanded candidate -> its output hidden state [1, b, h]
+        expanded = []  # expanded candidates in cache order: slots length, length + 1, ...
+
+        def expand(candidates: DraftTree, frontier: Tensor, d: int) -> Tensor:
+            parents = candidates.parents[frontier].tolist()
+            hidden = torch.cat([real_hidden if p < 0 else outputs[p] for p in parents])
+            tokens = self.target_ids[candidates.tokens[frontier]][None]
+            expanded.extend(frontier.tolist())
+            seen = ancestors(candidates.parents)[frontier][:, expanded]
+            mask = torch.cat([seen.new_zeros(len(parents), self.length), ~seen], dim=1)
+            positions = torch.full((len(parents),), self.length - 1 + d, device=hidden.device)
+            out, logits = self._forward(hidden, tokens, positions, mask[None, None])
+            outputs.update((c, out[i:i + 1]) for i, c in enumerate(frontier.tolist()))
+            return vocab_parallel_log_probs(logits, size)
+
+        tree = grow_tree(vocab_parallel_log_probs(real_logits, size)[0], expand, depth, spec)
+        self._truncate(self.length)
+        return DraftTree(self.target_ids[tree.tokens], tree.parents)
+
     def accept(self, num_accepted: int, new_tokens: Tensor, out):
-        """The base verified [pending, d_1..d_k] and kept pending plus `num_accepted` drafts;
-        new_tokens [b, num_accepted + 1] are the accepted drafts and the base's next token."""
+        """The base verified pending and its drafts and kept pending plus `num_accepted`
+        drafts, whose states are rows 0..num_accepted of `out`; new_tokens
+        [b, num_accepted + 1] are the accepted drafts and the base's next token."""
         self.extend(out.aux[: num_accepted + 1], new_tokens)

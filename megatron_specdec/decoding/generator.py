@@ -8,6 +8,13 @@ The emitted sequence is the base's own greedy continuation, so it matches
 generation.greedy_generate token for token (up to float ties between a k+1-token and a
 1-token forward).
 
+With `tree=TreeSpec(top_k, max_nodes)` the last stage drafts a tree of depth k instead
+(tree.py), all stages verify [pending, nodes] in one base forward under the tree mask, the
+fused greedy tree op picks the deepest accepted path, and every stage moves that path's cache
+entries to the slots after pending (StageRunner.compact) rather than recomputing them: a
+copy of a + 1 entries per layer instead of another base forward. Output is again the base's
+greedy continuation.
+
 Batch 1: requests accept different counts, and megatron's static cache advances all rows by
 one offset (RoPE position = slot), so ragged acceptance would need per-row positions.
 """
@@ -17,15 +24,16 @@ from typing import List
 
 import torch
 
-from megatron_specdec.acceptance import greedy_chain_verify
+from megatron_specdec.acceptance import greedy_chain_verify, tree_verify
 from megatron_specdec.decoding.base_runner import BaseRunner
+from megatron_specdec.decoding.tree import TreeSpec, verify_layout
 
 
 @dataclass
 class GenerationResult:
     tokens: List[int]
     accepted: List[int] = field(default_factory=list)  # accepted drafts per verify forward
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0  # chain length, or tree depth
 
 
 def default_num_draft_tokens(model) -> int:
@@ -50,10 +58,16 @@ def build_drafter(model):
     return Eagle3Drafter(model, embedding) if ps.is_pipeline_last_stage() else None
 
 
-class SpeculativeGenerator:
-    """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`."""
+def draft_vocab_size(model) -> int:
+    return model.vocab_size if model.algo == "medusa" else model.spec_config.draft_vocab_size
 
-    def __init__(self, model, num_draft_tokens: int = None, drafter=None):
+
+class SpeculativeGenerator:
+    """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`.
+    `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain."""
+
+    def __init__(self, model, num_draft_tokens: int = None, drafter=None,
+                 tree: TreeSpec = None):
         self.model = model
         self.k = num_draft_tokens or default_num_draft_tokens(model)
         if model.algo == "medusa" and self.k > model.spec_config.medusa_num_heads:
@@ -61,6 +75,9 @@ class SpeculativeGenerator:
                              f"{model.spec_config.medusa_num_heads} Medusa heads")
         if self.k < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.k}")
+        if tree is not None:
+            tree.check(self.k, draft_vocab_size(model))
+        self.tree = tree
         self.drafter = drafter if drafter is not None else build_drafter(model)
 
     @torch.no_grad()
@@ -85,7 +102,8 @@ class SpeculativeGenerator:
 
         if max_new_tokens <= 0:
             return result
-        max_length = prompt.shape[1] + max_new_tokens + k + 1
+        width = k if self.tree is None else self.tree.num_nodes(k)
+        max_length = prompt.shape[1] + max_new_tokens + width + 1
         runner = BaseRunner(self.model, 1, max_length)
         out = runner.step(prompt)
         pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
@@ -95,23 +113,53 @@ class SpeculativeGenerator:
         runner.broadcast_from_last(pending)
         if emit(int(pending)):
             return result
+        verify = self._verify_chain if self.tree is None else self._verify_tree
         while True:
-            drafts = torch.zeros(1, k, dtype=torch.long, device=prompt.device)
-            if runner.last:
-                drafts = drafter.propose(k)
-            runner.broadcast_from_last(drafts)
-            out = runner.step(torch.cat([pending, drafts], dim=1))
-            verdict = torch.zeros(1, k + 2, dtype=torch.long, device=prompt.device)
-            if runner.last:
-                tokens, counts = greedy_chain_verify(drafts, out.logits)
-                verdict = torch.cat([tokens, counts[:, None]], dim=1)
-            runner.broadcast_from_last(verdict)
-            accepted = int(verdict[0, -1])
-            new = verdict[:, : accepted + 1]
+            accepted, new, out = verify(runner, pending)
             result.accepted.append(accepted)
-            runner.rewind(k - accepted)
             if any(emit(int(t)) for t in new[0]):
                 return result
             if runner.last:
                 drafter.accept(accepted, new, out)
             pending = new[:, -1:]
+
+    def _verify_chain(self, runner, pending):
+        """One round: draft k, verify, rewind the rejected. Returns (accepted count, emitted
+        tokens [1, a + 1], base states of the kept positions in rows 0..a (last stage))."""
+        k = self.k
+        drafts = torch.zeros(1, k, dtype=torch.long, device=pending.device)
+        if runner.last:
+            drafts = self.drafter.propose(k)
+        runner.broadcast_from_last(drafts)
+        out = runner.step(torch.cat([pending, drafts], dim=1))
+        verdict = torch.zeros(1, k + 2, dtype=torch.long, device=pending.device)
+        if runner.last:
+            tokens, counts = greedy_chain_verify(drafts, out.logits)
+            verdict = torch.cat([tokens, counts[:, None]], dim=1)
+        runner.broadcast_from_last(verdict)
+        accepted = int(verdict[0, -1])
+        runner.rewind(k - accepted)
+        return accepted, verdict[:, : accepted + 1], out
+
+    def _verify_tree(self, runner, pending):
+        """The same round over a draft tree; the accepted path's cache entries are compacted."""
+        k, n = self.k, self.tree.num_nodes(self.k)
+        tree = torch.zeros(2, n, dtype=torch.long, device=pending.device)
+        if runner.last:
+            drafted = self.drafter.propose_tree(k, self.tree)
+            tree = torch.stack([drafted.tokens, drafted.parents])
+        runner.broadcast_from_last(tree)
+        tokens, parents = tree[0:1], tree[1:2]
+        start = runner.length  # pending's slot
+        positions, mask = verify_layout(parents[0], start)
+        out = runner.step(torch.cat([pending, tokens], dim=1), positions, mask)
+        verdict = torch.zeros(1, 2 * k + 2, dtype=torch.long, device=pending.device)
+        if runner.last:
+            emitted, counts, path = tree_verify(tokens, parents, out.logits, max_depth=k)
+            verdict = torch.cat([emitted, path, counts[:, None]], dim=1)
+        runner.broadcast_from_last(verdict)
+        accepted = int(verdict[0, -1])
+        path = verdict[0, k + 1: k + 1 + accepted]
+        runner.compact(start + 1, start + 1 + path)
+        kept = torch.cat([path.new_zeros(1), path + 1])
+        return accepted, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None

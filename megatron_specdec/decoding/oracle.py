@@ -4,9 +4,15 @@ drafter's cache goes through every accept and rollback.
 
 Used to exercise multi-token acceptance and rollback with exact expected acceptance counts
 (tests), and to measure the ceiling of the draft-verify machinery itself: the tokens/s a
-perfect draft of this cost would reach in this runtime (bench)."""
+perfect draft of this cost would reach in this runtime (bench).
+
+Its tree keeps the real drafter's tree shape and puts the continuation on the path to the
+deepest node grown last (rarely the first branch, so the accepted path's cache entries are
+not already contiguous); every other node gets a wrong token."""
 
 import torch
+
+from megatron_specdec.decoding.tree import DraftTree, ancestors
 
 
 class OracleDrafter:
@@ -23,13 +29,30 @@ class OracleDrafter:
         self.inner.start(prompt, pending, out, max_length)
         self.emitted = 1
 
-    def propose(self, k):
-        own = self.inner.propose(k)
+    def _answer(self, k):
+        """The next k emitted tokens as proposed (wrong at `wrong_at`)."""
         ids = []
         for pos in range(self.emitted, self.emitted + k):
             token = self.continuation[pos] if pos < len(self.continuation) else 0
             ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
-        return torch.tensor([ids], dtype=own.dtype, device=own.device)
+        return ids
+
+    def propose(self, k):
+        own = self.inner.propose(k)
+        return torch.tensor([self._answer(k)], dtype=own.dtype, device=own.device)
+
+    def propose_tree(self, depth, spec):
+        if self.vocab_size is None:
+            raise ValueError("an oracle tree needs vocab_size (for its wrong tokens)")
+        own = self.inner.propose_tree(depth, spec)
+        seen = ancestors(own.parents)
+        depths = seen.sum(1)
+        deepest = int((depths == depths.max()).nonzero().max())
+        answer = torch.tensor(self._answer(int(depths.max())), device=own.tokens.device)
+        tokens = (answer[depths - 1] + 1) % self.vocab_size  # wrong everywhere ...
+        path = seen[deepest]
+        tokens[path] = answer[depths[path] - 1]  # ... but along the chosen path
+        return DraftTree(tokens, own.parents)
 
     def accept(self, num_accepted, new_tokens, out):
         self.inner.accept(num_accepted, new_tokens, out)

@@ -3,6 +3,7 @@
     python -m megatron_specdec.decoding.validate --model CKPT \\
         --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
+        [--tree-top-k 4 [--tree-max-nodes 32]]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
@@ -10,8 +11,10 @@ evaluation would need the model's own earlier answers in the context). `category
 report. Greedy speculative generation runs per prompt (batch 1); plain greedy generation of
 the same base on the same prompts gives the tokens/s baseline of the same runtime and checks
 that both produce the same tokens. Writes acceptance.json and acceptance.png (acceptance
-rate per draft position, overall and per category). With --tp/--pp > 1 and no torchrun
-environment, the ranks are spawned locally.
+rate per draft position, overall and per category). With --tree-top-k the drafts form a
+tree of depth --num-draft-tokens (decoding/tree.py); acceptance length is counted the same way
+(tokens per verify forward), and "draft position" is the depth along the accepted path. With
+--tp/--pp > 1 and no torchrun environment, the ranks are spawned locally.
 """
 
 import argparse
@@ -75,8 +78,9 @@ def _resolve(model_or_ckpt, tokenizer):
 
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
-                        compare_greedy=True, progress=True):
-    """Acceptance length, per-position acceptance (overall and per category) and tokens/s.
+                        compare_greedy=True, progress=True, tree=None):
+    """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
+    `tree`: a TreeSpec to draft trees instead of chains.
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -93,7 +97,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
-    generator = SpeculativeGenerator(model, num_draft_tokens)
+    generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree)
     records, spec_time, greedy_time, identical = [], 0.0, 0.0, 0
     for category, ids in tqdm(prompts, desc="acceptance", disable=not (progress and is_rank0())):
         start = time.perf_counter()
@@ -111,6 +115,8 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     report = {
         "algo": model.algo,
         "num_draft_tokens": generator.k,
+        "tree": None if tree is None else {"top_k": tree.top_k, "max_nodes": tree.max_nodes,
+                                           "nodes": tree.num_nodes(generator.k)},
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(records),
         "prompts": f"{prompts_path} (first turn of each question, chat template)",
@@ -147,12 +153,15 @@ def plot_acceptance(report, path):
     overall = report["overall"]
     ax.plot(positions, _nan(overall["position_acceptance"]), color="black", linewidth=2.5,
             marker="o", label=f"overall ({overall['acceptance_length']:.2f})")
-    ax.set_xlabel("draft position j")
+    ax.set_xlabel("draft position j" if report.get("tree") is None else "tree depth j")
     ax.set_ylabel("P(j accepted | j-1 accepted)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xticks(positions)
+    tree = report.get("tree")
+    shape = (f"k={k}" if tree is None
+             else f"tree depth {k}, top-{tree['top_k']}, {tree['nodes']} nodes")
     ax.set_title(f"{report['algo']}: acceptance length {overall['acceptance_length']:.2f} "
-                 f"(k={k}, {report['num_prompts']} prompts)")
+                 f"({shape}, {report['num_prompts']} prompts)")
     ax.legend(fontsize=8, title="category (acceptance length)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -172,11 +181,26 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="chain length k (default: EAGLE3 ttt_steps, Medusa heads)")
+                   help="chain length k, or tree depth (default: EAGLE3 ttt_steps, Medusa heads)")
+    p.add_argument("--tree-top-k", type=int, default=None,
+                   help="draft a tree with this branching (EAGLE-2 style) instead of a chain")
+    p.add_argument("--tree-max-nodes", type=int, default=None,
+                   help="keep this many tree nodes of highest draft probability (default: all)")
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     return p.parse_args(argv)
+
+
+def tree_spec(args):
+    """The TreeSpec of --tree-top-k / --tree-max-nodes (None: chain drafting)."""
+    from megatron_specdec.decoding.tree import TreeSpec
+
+    if args.tree_top_k is None:
+        if args.tree_max_nodes is not None:
+            raise ValueError("--tree-max-nodes needs --tree-top-k")
+        return None
+    return TreeSpec(args.tree_top_k, args.tree_max_nodes)
 
 
 def _worker(args):
@@ -187,7 +211,7 @@ def _worker(args):
     report = evaluate_acceptance(args.model, args.data, max_new_tokens=args.max_new_tokens,
                                  num_draft_tokens=args.num_draft_tokens,
                                  num_prompts=args.num_prompts, out_dir=args.out_dir,
-                                 compare_greedy=not args.no_greedy)
+                                 compare_greedy=not args.no_greedy, tree=tree_spec(args))
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))
@@ -201,6 +225,7 @@ def main(argv=None):
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"prompt file {args.data} not found")
     checkpoint.read_meta(args.model)  # a clear error here, before any rank starts
+    tree_spec(args)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 

@@ -1,0 +1,115 @@
+"""Draft trees: how a drafter grows one, and how the base verifies one in a single forward.
+
+Growth follows EAGLE-2's dynamic tree. Depth 1 holds the top-k tokens after the root (the
+pending token); at each further depth the k candidates of the previous depth with the highest
+cumulative draft log-probability are expanded, each into its own top-k children, and all k*k
+children stay candidates. Finally the `max_nodes` candidates of highest cumulative log-prob
+are kept. A child's score is its parent's plus a log-prob <= 0, so with ties going to the
+earlier (shallower) candidate the kept set always contains every kept node's ancestors.
+The node count, k + (depth - 1) * k * k capped at `max_nodes`, depends only on the spec, so
+every rank knows the shape of the tree it will receive.
+
+The flattened tree lists nodes in growth order (parents before children), `parents[i]` = -1
+for children of the root: the layout `acceptance.tree_verify` takes. The base verifies
+[root, node_0 .. node_{N-1}] in one forward: each node attends to the cached prefix, the root,
+its ancestors and itself, at RoPE position prefix + depth, which is exactly the context and
+position it would have had in a chain, so an accepted path's logits are the chain's.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from megatron_specdec.acceptance.validation import MAX_TREE_NODES
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Top-k branching at every depth; depth = the generator's number of draft tokens."""
+
+    top_k: int
+    max_nodes: Optional[int] = None  # None: keep every candidate
+
+    def num_nodes(self, depth: int) -> int:
+        candidates = self.top_k + (depth - 1) * self.top_k ** 2
+        return candidates if self.max_nodes is None else min(candidates, self.max_nodes)
+
+    def check(self, depth: int, vocab_size: int):
+        """Errors naming the setting, before any forward runs."""
+        if not 1 <= self.top_k <= vocab_size:
+            raise ValueError(f"tree top_k must be in [1, {vocab_size}] (the draft vocabulary), "
+                             f"got {self.top_k}")
+        if self.max_nodes is not None and self.max_nodes < depth:
+            raise ValueError(f"tree max_nodes {self.max_nodes} < depth {depth}: the deepest "
+                             "draft tokens could never be kept")
+        if self.num_nodes(depth) > MAX_TREE_NODES:
+            raise ValueError(f"a tree of top_k {self.top_k} and depth {depth} has "
+                             f"{self.num_nodes(depth)} nodes > {MAX_TREE_NODES} (tree_verify's "
+                             "limit): set max_nodes")
+
+
+@dataclass
+class DraftTree:
+    """tokens, parents: int64 [N] in growth order (parents[i] < i, -1 = child of the root)."""
+
+    tokens: Tensor
+    parents: Tensor
+
+
+def grow_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec) -> DraftTree:
+    """root: log-probs [V] of the token after the root. expand(candidates, frontier, d): the
+    log-probs [len(frontier), V] of the children of the candidates `frontier` (indices into
+    `candidates`, a DraftTree of everything grown so far), all at depth d. Tokens come back
+    in the id space of the log-probs."""
+    k = spec.top_k
+    scores, tokens = root.float().topk(k)
+    parents = torch.full((k,), -1, dtype=torch.long, device=root.device)
+    frontier = torch.arange(k, device=root.device)
+    for d in range(1, depth):
+        logprobs = expand(DraftTree(tokens, parents), frontier, d)
+        top, ids = logprobs.float().clamp(max=0).topk(k, dim=-1)
+        child_scores = (scores[frontier, None] + top).flatten()
+        first = tokens.numel()
+        tokens = torch.cat([tokens, ids.flatten()])
+        parents = torch.cat([parents, frontier.repeat_interleave(k)])
+        scores = torch.cat([scores, child_scores])
+        frontier = first + child_scores.topk(k).indices.sort().values
+    order = scores.sort(descending=True, stable=True).indices
+    keep = order[: spec.num_nodes(depth)].sort().values
+    # One spare entry, left at -1, is where the root's children (parent -1) look up.
+    new_index = torch.full((tokens.numel() + 1,), -1, dtype=torch.long, device=root.device)
+    new_index[keep] = torch.arange(keep.numel(), device=root.device)
+    return DraftTree(tokens[keep], new_index[parents[keep]])
+
+
+def ancestors(parents: Tensor) -> Tensor:
+    """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = parents.numel()
+    table = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            table[i] |= table[p]
+    return table
+
+
+def verify_layout(parents: Tensor, prefix: int):
+    """RoPE positions [N + 1] and attention mask [1, 1, N + 1, prefix + N + 1] (True = may not
+    attend) of the verify forward over [root, nodes] appended after `prefix` cached slots."""
+    n = parents.numel()
+    seen = ancestors(parents)
+    depths = seen.sum(1)
+    positions = prefix + torch.cat([depths.new_zeros(1), depths])
+    mask = torch.zeros(n + 1, prefix + n + 1, dtype=torch.bool, device=parents.device)
+    mask[0, prefix + 1:] = True
+    mask[1:, prefix + 1:] = ~seen
+    return positions, mask[None, None]
+
+
+def vocab_parallel_log_probs(logits: Tensor, size: int) -> Tensor:
+    """Log-softmax [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size`)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    full = gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())
+    return full[:, :size].float().log_softmax(-1)

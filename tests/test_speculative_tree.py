@@ -1,0 +1,225 @@
+"""Tree drafting (decoding/tree.py) on the small seeded random Llama of
+test_speculative_generation: tree growth and node cap on hand-made log-probs, the verify
+mask and positions, a tree verify forward equal to the chain forward along its path and a
+compacted cache equal to the chain's, a top-1 tree equal to the chain, and tree generation
+identical to plain greedy for EAGLE3 and Medusa at TP=1, TP=2 and PP=2 (random drafts, and
+oracle trees that put the answer on a late branch with planned mistakes: exact counts)."""
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.decoding.tree import TreeSpec, ancestors, grow_tree, verify_layout
+from test_speculative_generation import HF, K, NEW, PROMPT, WRONG_AT, build, expected_accepts
+
+SPEC = TreeSpec(top_k=3, max_nodes=20)
+
+
+def _all_candidates(root, table, depth, k):
+    """Brute force of the growth rule: (score, token path) of every candidate."""
+    level = [(s, (t,)) for s, t in zip(*root.topk(k))]
+    out = list(level)
+    for d in range(1, depth):
+        children = []
+        for score, path in sorted(level, key=lambda c: -c[0])[:k]:
+            top, ids = table(path, d).topk(k)
+            children += [(score + s, path + (t,)) for s, t in zip(top, ids)]
+        out += children
+        level = children
+    return out
+
+
+def test_grow_tree_hand_made():
+    g = torch.Generator().manual_seed(0)
+    vocab, depth = 50, 4
+    rows = torch.randn(200, vocab, generator=g).log_softmax(-1)
+
+    def table(path, d):  # log-probs after a token path: a fixed function of the path
+        return rows[hash(tuple(int(t) for t in path)) % 200]
+
+    def expand(candidates, frontier, d):
+        assert (ancestors(candidates.parents)[frontier].sum(1) == d).all()
+        return torch.stack([table(_path(candidates, int(f)), d) for f in frontier])
+
+    root = rows[199]
+    for spec in (TreeSpec(3), TreeSpec(3, max_nodes=9), TreeSpec(1), TreeSpec(4, max_nodes=4)):
+        tree = grow_tree(root, expand, depth, spec)
+        n = spec.num_nodes(depth)
+        assert tree.tokens.shape == tree.parents.shape == (n,)
+        assert all(-1 <= int(p) < i for i, p in enumerate(tree.parents))
+        depths = ancestors(tree.parents).sum(1)
+        assert int(depths.max()) <= depth and (depths[1:] >= depths[:-1]).all()
+        # the kept nodes are the n best candidates by cumulative log-prob
+        kept = {_path(tree, i) for i in range(n)}
+        best = sorted(_all_candidates(root, table, depth, spec.top_k), key=lambda c: -c[0])[:n]
+        assert kept == {tuple(int(t) for t in p) for _, p in best}
+    assert TreeSpec(3).num_nodes(4) == 3 + 3 * 9 and TreeSpec(3, 9).num_nodes(4) == 9
+    assert torch.equal(grow_tree(root, expand, depth, TreeSpec(1)).parents,
+                       torch.tensor([-1, 0, 1, 2]))
+
+
+def _path(tree, i):
+    """Token path from the root to node i."""
+    path = []
+    while i >= 0:
+        path.append(int(tree.tokens[i]))
+        i = int(tree.parents[i])
+    return tuple(reversed(path))
+
+
+def test_tree_spec_checks():
+    with pytest.raises(ValueError, match="top_k"):
+        TreeSpec(0).check(4, 100)
+    with pytest.raises(ValueError, match="top_k"):
+        TreeSpec(101).check(4, 100)
+    with pytest.raises(ValueError, match="max_nodes 3 < depth 4"):
+        TreeSpec(2, max_nodes=3).check(4, 100)
+    with pytest.raises(ValueError, match="256"):
+        TreeSpec(8).check(6, 100)
+    TreeSpec(8, max_nodes=64).check(6, 100)
+
+
+def test_verify_layout_hand_made():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \     |
+    #    2   3    4
+    #    |
+    #    5
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2])
+    positions, mask = verify_layout(parents, prefix=3)
+    assert positions.tolist() == [3, 4, 4, 5, 5, 5, 6]
+    allowed = (~mask[0, 0]).int()
+    assert allowed[:, :4].all()  # every query sees the prefix and the root (slot 3)
+    assert allowed[:, 4:].tolist() == [
+        [0, 0, 0, 0, 0, 0],  # root
+        [1, 0, 0, 0, 0, 0],  # node 0
+        [0, 1, 0, 0, 0, 0],  # node 1
+        [1, 0, 1, 0, 0, 0],  # node 2
+        [1, 0, 0, 1, 0, 0],  # node 3
+        [0, 1, 0, 0, 1, 0],  # node 4
+        [1, 0, 1, 0, 0, 1],  # node 5
+    ]
+
+
+@pytest.fixture(scope="module")
+def eagle3():
+    distributed.initialize(1, 1)
+    return build("eagle3")
+
+
+def test_tree_forward_and_compaction_equal_chain(eagle3):
+    """Logits of a path through a verified tree equal the chain forward over that path, and
+    after compacting the path the next forward equals the chain's next forward."""
+    from megatron_specdec.decoding.base_runner import BaseRunner
+
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 3])
+    tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17])
+    path = [0, 3, 6]  # root -> 0 -> 3 -> 6: not the first branch at depths 2 and 3
+    pending, after = 9, 21
+    n = len(PROMPT)
+    tree_runner, chain_runner = BaseRunner(eagle3, 1, 64), BaseRunner(eagle3, 1, 64)
+    tree_runner.step(torch.tensor([PROMPT]))
+    chain_runner.step(torch.tensor([PROMPT]))
+    positions, mask = verify_layout(parents, n)
+    tree_out = tree_runner.step(torch.tensor([[pending] + tokens.tolist()]), positions, mask)
+    chain_out = chain_runner.step(torch.tensor([[pending] + tokens[path].tolist()]))
+    rows = torch.tensor([0] + [p + 1 for p in path])
+    picked = tree_out.rows(rows)
+    torch.testing.assert_close(picked.logits, chain_out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(picked.aux, chain_out.aux, atol=1e-5, rtol=1e-5)
+    tree_runner.compact(n + 1, n + 1 + torch.tensor(path))
+    assert tree_runner.length == chain_runner.length == n + 1 + len(path)
+    next_tree = tree_runner.step(torch.tensor([[after]]))
+    next_chain = chain_runner.step(torch.tensor([[after]]))
+    torch.testing.assert_close(next_tree.logits, next_chain.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_top1_tree_is_the_chain(eagle3):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+
+    chain = SpeculativeGenerator(eagle3, K).generate(PROMPT, 16)
+    tree = SpeculativeGenerator(eagle3, K, tree=TreeSpec(1)).generate(PROMPT, 16)
+    assert tree.tokens == chain.tokens and tree.accepted == chain.accepted
+    with pytest.raises(ValueError, match="max_nodes"):
+        SpeculativeGenerator(eagle3, K, tree=TreeSpec(2, max_nodes=2))
+
+
+def _writer():
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+
+def tree_worker(tp, pp, out_file):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    distributed.initialize(tp, pp)
+    results = {}
+    for algo in ("eagle3", "medusa"):
+        model = build(algo)
+        greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+        capped = SpeculativeGenerator(model, K, tree=SPEC).generate(PROMPT, NEW)
+        generator = SpeculativeGenerator(model, K, tree=TreeSpec(3))
+        if generator.drafter is not None:  # the last stage
+            generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
+                                              HF["vocab_size"])
+        results[algo] = {"greedy": greedy[:NEW], "capped": capped,
+                         "oracle": generator.generate(PROMPT, NEW)}
+    if _writer():
+        torch.save(results, out_file)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_tree_equals_greedy(tp, pp, tmp_path):
+    out = tmp_path / "out.pt"
+    distributed.spawn(tree_worker, tp * pp, tp, pp, str(out))
+    for algo, got in torch.load(out, weights_only=False).items():
+        assert got["capped"].tokens == got["greedy"], algo
+        assert all(0 <= a <= K for a in got["capped"].accepted), algo
+        assert got["oracle"].tokens == got["greedy"], algo
+        assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
+
+
+def smollm2_worker(tp, pp, hf_dir, prompt, out_file):
+    from megatron_specdec import convert
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.hf_conversion import model_from_hf
+
+    distributed.initialize(tp, pp)
+    base, config = model_from_hf(hf_dir)
+    base.eval()
+    new = 24
+    greedy = greedy_generate(base, [prompt], new + K + 1, config.vocab_size)[0]
+    results, models = {"greedy": greedy[:new]}, {}
+    for algo, cfg in (("eagle3", {"ttt_steps": K}), ("medusa", {"medusa_num_heads": K})):
+        models[algo] = convert(base, algo, cfg, hf_config=config).eval()
+        generator = SpeculativeGenerator(models[algo], tree=TreeSpec(4, max_nodes=16))
+        results[algo] = generator.generate(prompt, new)
+    generator = SpeculativeGenerator(models["eagle3"], tree=TreeSpec(2))
+    if generator.drafter is not None:  # the last stage
+        generator.drafter = OracleDrafter(generator.drafter, greedy, (3, 4, 11),
+                                          config.vocab_size)
+    results["oracle"] = generator.generate(prompt, new)
+    if _writer():
+        torch.save(results, out_file)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_smollm2_tree_equals_greedy(tp, pp, default_hf_dir, chat_prompt_ids, tmp_path):
+    """SmolLM2-135M-Instruct with a random EAGLE3 draft and random Medusa heads (16-node
+    trees of top-4 branching), and oracle trees over the EAGLE3 drafter."""
+    out = tmp_path / "out.pt"
+    distributed.spawn(smollm2_worker, tp * pp, tp, pp, str(default_hf_dir), chat_prompt_ids,
+                      str(out))
+    got = torch.load(out, weights_only=False)
+    for run in ("eagle3", "medusa", "oracle"):
+        assert got[run].tokens == got["greedy"], run
+        assert all(0 <= a <= K for a in got[run].accepted), run
+    assert got["oracle"].accepted == expected_accepts(K, 24, (3, 4, 11))
+    print({run: got[run].accepted for run in ("eagle3", "medusa")})
