@@ -20,7 +20,8 @@ void stochastic_chain_kernel(const int64_t* draft, const T* logits, const int64_
                              int64_t vocab, int64_t* tokens, int64_t* counts) {
   const char* op = "stochastic_chain_verify";
   at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> scratch, weights(vocab), qrow(q ? vocab : 0);
+    // e: exp(x - max) of the row read last, turned in place into the weights of the last token.
+    std::vector<double> scratch, e(vocab);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t* d = draft + b * k;
       const float* u = uniforms + b * (k + 1);
@@ -29,31 +30,29 @@ void stochastic_chain_kernel(const int64_t* draft, const T* logits, const int64_
       bool rejected = false;
       for (; n < lens[b]; ++n) {
         const T* row = rows + n * vocab;
-        const RowDist dist = row_dist(row, vocab, sp, scratch, op);
-        const double p = row_prob(row, d[n], dist, sp.temperature);
+        const RowDist dist = row_dist(row, vocab, sp, scratch, e.data(), op);
+        const double p = e[d[n]] / dist.sum;
         const double qd = q ? checked_prob(q, (b * k + n) * vocab + d[n], op) : 1.0;
         if (!(static_cast<double>(u[n]) * qd < p)) {
           // Residual max(0, p - q): p with the draft token removed when q is one-hot.
-          row_probs(row, vocab, dist, sp.temperature, weights.data());
+          double left = 0.0;
           if (q) {
-            to_double(q + (b * k + n) * vocab, vocab, qrow.data());
-            TORCH_CHECK(block_residual(weights.data(), qrow.data(), weights.data(), vocab, 1.0), op,
+            block_div(e.data(), vocab, dist.sum);
+            TORCH_CHECK(row_residual(e.data(), q + (b * k + n) * vocab, vocab, 1.0, e.data(), &left), op,
                         ": draft_probs must be finite and >= 0; found NaN, inf or a negative value in row [", b,
                         ", ", n, "]");
           } else {
-            weights[d[n]] = 0.0;
+            e[d[n]] = 0.0;
+            left = block_sum(e.data(), vocab);
           }
           // Rounding left no residual mass: fall back to p.
-          if (!(block_sum(weights.data(), vocab) > 0.0)) row_probs(row, vocab, dist, sp.temperature, weights.data());
+          if (!(left > 0.0)) row_dist(row, vocab, sp, scratch, e.data(), op);
           rejected = true;
           break;
         }
       }
-      if (!rejected) {
-        const T* row = rows + n * vocab;
-        row_probs(row, vocab, row_dist(row, vocab, sp, scratch, op), sp.temperature, weights.data());
-      }
-      write_row(tokens + b * (k + 1), k + 1, d, n, sample_weights(weights.data(), vocab, u[k]));
+      if (!rejected) row_dist(rows + n * vocab, vocab, sp, scratch, e.data(), op);
+      write_row(tokens + b * (k + 1), k + 1, d, n, sample_weights(e.data(), vocab, u[k]));
       counts[b] = n;
     }
   });

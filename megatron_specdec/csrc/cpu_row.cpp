@@ -114,21 +114,26 @@ double block_weighted(const double* x, const double* e, int64_t n, double shift)
   return total;
 }
 
-// Max and normaliser of one chunk, then chunks merged in order.
+// Max of the row, then e = exp(x - max) and the normaliser, in L1-sized blocks of
+// fixed chunks whose partial results are merged in order.
 template <typename T>
-RowDist plain_row_dist(const T* row, int64_t vocab, double temperature, const char* op) {
+RowDist plain_row_dist(const T* row, int64_t vocab, double temperature, double* e, const char* op) {
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
   std::vector<double> maxs(chunks), sums(chunks);
   std::vector<char> bads(chunks, 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    double buf[kChunk];
+    double buf[kBlock];
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n = std::min(kChunk, vocab - c * kChunk);
-      scale_row(row + c * kChunk, n, temperature, buf);
+      const int64_t end = std::min(vocab, (c + 1) * kChunk);
       bool bad = false;
-      maxs[c] = checked_max(buf, n, &bad);
+      double m = -kInf;
+      for (int64_t j = c * kChunk; j < end; j += kBlock) {
+        const int64_t n = std::min(kBlock, end - j);
+        scale_row(row + j, n, temperature, buf);
+        m = std::max(m, checked_max(buf, n, &bad));
+      }
+      maxs[c] = m;
       bads[c] = bad;
-      sums[c] = maxs[c] > -kInf ? block_sum_exp(buf, n, maxs[c], -kInf) : 0.0;
     }
   });
   RowDist d{-kInf, 0.0, -kInf};
@@ -138,19 +143,30 @@ RowDist plain_row_dist(const T* row, int64_t vocab, double temperature, const ch
     d.max = std::max(d.max, maxs[c]);
   }
   check_row(bad, d.max, op);
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (sums[c] > 0.0) d.sum += sums[c] * exp_nonpos_inline(maxs[c] - d.max);
-  }
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t end = std::min(vocab, (c + 1) * kChunk);
+      double s = 0.0;
+      for (int64_t j = c * kChunk; j < end; j += kBlock) {
+        const int64_t n = std::min(kBlock, end - j);
+        scale_row(row + j, n, temperature, e + j);
+        block_exp(e + j, e + j, n, d.max, -kInf);
+        s += block_sum(e + j, n);
+      }
+      sums[c] = s;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) d.sum += sums[c];
   return d;
 }
 
 // top-k / top-p: the cut is a threshold on x found on a sorted copy (reference semantics).
 template <typename T>
-RowDist cut_row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+RowDist cut_row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch, double* e,
                      const char* op) {
-  scratch.resize(2 * vocab);
-  double* x = scratch.data();
-  double* tmp = x + vocab;
+  scratch.resize(vocab);
+  double* x = e;  // x is turned into e in place at the end
+  double* tmp = scratch.data();
   scale_row(row, vocab, sp.temperature, x);
   bool bad = false;
   RowDist d{checked_max(x, vocab, &bad), 0.0, -kInf};
@@ -173,7 +189,8 @@ RowDist cut_row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std:
       }
     }
   }
-  d.sum = block_sum_exp(x, vocab, d.max, d.cut);
+  block_exp(x, e, vocab, d.max, d.cut);
+  d.sum = block_sum(e, vocab);
   return d;
 }
 
@@ -243,12 +260,6 @@ double block_sum_exp(const double* x, int64_t n, double shift, double cut) {
   return total;
 }
 
-SPECDEC_SIMD_CLONES
-void block_probs(double* x, int64_t n, const RowDist& d) {
-  const double shift = d.max, cut = d.cut, sum = d.sum;
-  for (int64_t j = 0; j < n; ++j) x[j] = x[j] >= cut ? exp_nonpos_inline(x[j] - shift) / sum : 0.0;
-}
-
 void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe) {
   double e[kBlock];
   *sum = *sum_xe = 0.0;
@@ -262,16 +273,18 @@ void block_exp_moments(const double* x, int64_t n, double shift, double* sum, do
 
 SPECDEC_SIMD_CLONES
 bool block_residual(const double* w, const double* q, double* out, int64_t n, double scale) {
-  VecL bad = {};
+  // q * 0 is NaN exactly for NaN and +-inf q: summed, it flags them without per-lane masks.
+  VecD poison = {}, low = {};
   int64_t j = 0;
   for (; j + kVec <= n; j += kVec) {
     const VecD qv = load(q + j);
-    bad |= ~((qv >= 0.0) & (qv < kInf));
+    poison += qv * 0.0;
+    low = qv < low ? qv : low;
     const VecD r = load(w + j) - qv * scale;
     store(out + j, r > 0.0 ? r : splat(0.0));
   }
-  bool ok = true;
-  for (int l = 0; l < kVec; ++l) ok = ok && !bad[l];
+  bool ok = lanes_sum(poison) == 0.0;
+  for (int l = 0; l < kVec; ++l) ok = ok && low[l] >= 0.0;
   for (; j < n; ++j) {
     ok = ok && q[j] >= 0.0 && q[j] < kInf;
     out[j] = std::max(0.0, w[j] - q[j] * scale);
@@ -308,10 +321,10 @@ int64_t sample_weights(const double* w, int64_t n, double u) {
 }
 
 template <typename T>
-RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch, double* e,
                  const char* op) {
-  if ((sp.top_k > 0 && sp.top_k < vocab) || sp.top_p < 1.0) return cut_row_dist(row, vocab, sp, scratch, op);
-  return plain_row_dist(row, vocab, sp.temperature, op);
+  if ((sp.top_k > 0 && sp.top_k < vocab) || sp.top_p < 1.0) return cut_row_dist(row, vocab, sp, scratch, e, op);
+  return plain_row_dist(row, vocab, sp.temperature, e, op);
 }
 
 template <typename T>
@@ -338,8 +351,8 @@ int64_t row_argmax(const T* row, int64_t vocab, const char* op) {
 }
 
 #define SPECDEC_INSTANTIATE(T)                                                                       \
-  template RowDist row_dist<T>(const T*, int64_t, const SamplingParams&, std::vector<double>&, \
-                               const char*);                                                      \
+  template RowDist row_dist<T>(const T*, int64_t, const SamplingParams&, std::vector<double>&, double*, \
+                               const char*);                                                               \
   template int64_t row_argmax<T>(const T*, int64_t, const char*);
 SPECDEC_INSTANTIATE(float)
 SPECDEC_INSTANTIATE(double)

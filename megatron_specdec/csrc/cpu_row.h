@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -34,7 +35,6 @@ void block_div(double* x, int64_t n, double divisor);
 // out_j = exp(x_j - shift) for x_j >= cut, else 0.
 void block_exp(const double* x, double* out, int64_t n, double shift, double cut);
 double block_sum_exp(const double* x, int64_t n, double shift, double cut);
-void block_probs(double* x, int64_t n, const RowDist& d);  // x -> p in place
 // sum_j e_j and sum_j e_j (x_j - shift) with e_j = exp(x_j - shift): the entropy's terms.
 void block_exp_moments(const double* x, int64_t n, double shift, double* sum, double* sum_xe);
 // out_j = max(0, w_j - q_j * scale) (out may be w); false when some q_j is NaN, inf or < 0.
@@ -62,24 +62,29 @@ inline void scale_row(const T* row, int64_t n, double temperature, double* out) 
   if (temperature != 1.0) block_div(out, n, temperature);
 }
 
-// Target distribution of one logits row. `scratch` (>= vocab doubles) is only
-// used when top-k or top-p is on. Raises on NaN/+inf logits and all -inf rows.
+// Target distribution of one logits row. Fills e[0:vocab] with exp(x_j - max)
+// for x_j >= cut, else 0, so p = e / sum: the row is read twice (max, then exp)
+// and a rejection needs no second exp pass. `scratch` is only used when top-k
+// or top-p is on. Raises on NaN/+inf logits and all -inf rows.
 template <typename T>
-RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch,
+RowDist row_dist(const T* row, int64_t vocab, const SamplingParams& sp, std::vector<double>& scratch, double* e,
                  const char* op);
 
-// Probability of token j under d (reads one logit).
-template <typename T>
-inline double row_prob(const T* row, int64_t j, const RowDist& d, double temperature) {
-  const double x = static_cast<double>(row[j]) / temperature;
-  return x >= d.cut ? exp_nonpos(x - d.max) / d.sum : 0.0;
-}
-
-// Writes the full distribution d of `row` into out[0:vocab].
-template <typename T>
-inline void row_probs(const T* row, int64_t vocab, const RowDist& d, double temperature, double* out) {
-  scale_row(row, vocab, temperature, out);
-  block_probs(out, vocab, d);
+// out_j = max(0, w_j - q_j * scale) and *total = sum_j out_j (out may be w); q is
+// converted one L1-sized block at a time. False when some q_j is NaN, inf or < 0.
+template <typename Q>
+bool row_residual(const double* w, const Q* q, int64_t n, double scale, double* out, double* total) {
+  constexpr int64_t kLen = 512;
+  double qbuf[kLen];
+  bool ok = true;
+  *total = 0.0;
+  for (int64_t j = 0; j < n; j += kLen) {
+    const int64_t m = std::min(kLen, n - j);
+    to_double(q + j, m, qbuf);
+    ok = block_residual(w + j, qbuf, out + j, m, scale) && ok;
+    *total += block_sum(out + j, m);
+  }
+  return ok;
 }
 
 // First index of the largest logit (torch.argmax semantics); raises on NaN.

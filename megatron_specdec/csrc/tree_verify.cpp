@@ -49,7 +49,7 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
                             int64_t vocab, int64_t max_depth, int64_t* tokens, int64_t* counts, int64_t* path) {
   const char* op = "tree_verify_stochastic";
   at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<double> scratch, weights(vocab), spare(q ? vocab : 0), qrow(q ? vocab : 0);
+    std::vector<double> scratch, weights(vocab), spare(q ? vocab : 0);
     std::vector<int64_t> first, next, nodes(max_depth), excluded;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t* tok = ids + b * n;
@@ -58,20 +58,21 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
       build_children(parents + b * n, num_nodes[b], first, next);
       int64_t node = -1, depth = 0;
       const T* row = rows;
-      RowDist dist = row_dist(row, vocab, sp, scratch, op);
-      // Residual r: p (minus `excluded` tokens when q is one-hot) until `dense`, then weights[].
+      RowDist dist = row_dist(row, vocab, sp, scratch, weights.data(), op);
+      // Residual r: weights = exp(x - max) of `row` (r = p minus the `excluded` tokens when q
+      // is one-hot) until `dense`, then the residual itself, of mass `total`.
       bool dense = false;
       double total = 1.0;
       excluded.clear();
       for (int64_t c = first[0]; c >= 0;) {
         const int64_t t = tok[c];
         const double qt = q ? checked_prob(q, (b * n + c) * vocab + t, op) : 1.0;
-        double rt = dense ? weights[t] : row_prob(row, t, dist, sp.temperature);
+        double rt = dense ? weights[t] : weights[t] / dist.sum;
         for (int64_t e : excluded) rt = e == t ? 0.0 : rt;
         if (static_cast<double>(u[c]) * qt * total < rt) {
           nodes[depth++] = node = c;
           row = rows + (c + 1) * vocab;
-          dist = row_dist(row, vocab, sp, scratch, op);
+          dist = row_dist(row, vocab, sp, scratch, weights.data(), op);
           dense = false;
           total = 1.0;
           excluded.clear();
@@ -79,13 +80,12 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
           continue;
         }
         if (q) {
-          if (!dense) row_probs(row, vocab, dist, sp.temperature, weights.data());
+          if (!dense) block_div(weights.data(), vocab, dist.sum);
           dense = true;
-          to_double(q + (b * n + c) * vocab, vocab, qrow.data());
-          TORCH_CHECK(block_residual(weights.data(), qrow.data(), spare.data(), vocab, total), op,
-                      ": draft_probs must be finite and >= 0; found NaN, inf or a negative value in row [", b, ", ",
-                      c, "]");
-          const double new_total = block_sum(spare.data(), vocab);
+          double new_total = 0.0;
+          TORCH_CHECK(row_residual(weights.data(), q + (b * n + c) * vocab, vocab, total, spare.data(), &new_total),
+                      op, ": draft_probs must be finite and >= 0; found NaN, inf or a negative value in row [", b,
+                      ", ", c, "]");
           if (new_total > 0.0) {
             weights.swap(spare);
             total = new_total;
@@ -97,7 +97,6 @@ void stochastic_tree_kernel(const int64_t* ids, const int64_t* parents, const T*
         c = next[c];
       }
       if (!dense) {
-        row_probs(row, vocab, dist, sp.temperature, weights.data());
         for (int64_t e : excluded) weights[e] = 0.0;
       }
       const int64_t last = sample_weights(weights.data(), vocab, u[n]);
