@@ -14,6 +14,7 @@ import torch
 
 from megatron_specdec import distributed
 from megatron_specdec.weights import mapping
+from workers import is_writer
 
 ALGOS = {
     "eagle3": {"draft_vocab_size": 300, "ttt_steps": 3, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
@@ -136,16 +137,10 @@ def run(algo, hf_draft):
     return model, result
 
 
-def _is_writer():
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-
-
 def layout_worker(tp, pp, drafts, out_file):
     distributed.initialize(tp, pp)
     results = {algo: run(algo, drafts[algo])[1] for algo in ALGOS}
-    if _is_writer():
+    if is_writer():
         torch.save(results, out_file)
 
 
@@ -160,7 +155,7 @@ def save_worker(tp, pp, drafts, ckpt_dir, out_file):
         meta = base_meta(tiny_hf_config(), model.base, torch.float32, "local")
         save_speculative(model, f"{ckpt_dir}/{algo}", meta)
         reports[algo] = result.get("report")
-    if _is_writer():
+    if is_writer():
         torch.save(reports, out_file)
 
 
@@ -174,7 +169,7 @@ def load_worker(tp, pp, ckpt_dir, out_file):
         model, _, meta = load_speculative(f"{ckpt_dir}/{algo}")
         assert meta["draft"]["algo"] == algo
         reports[algo] = reduce_reports(forward_backward(model, batches(), forward_only=True))
-    if _is_writer():
+    if is_writer():
         torch.save(reports, out_file)
 
 

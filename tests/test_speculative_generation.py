@@ -8,6 +8,7 @@ import torch
 
 from megatron_specdec import distributed
 from megatron_specdec.decoding.oracle import OracleDrafter
+from workers import is_writer
 
 HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=512, max_position_embeddings=256,
@@ -46,13 +47,9 @@ def expected_accepts(k, new_tokens, wrong_at):
     return counts
 
 
-def _writer():
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-
-
-def identity_worker(tp, pp, out_file):
+def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
+    """Plain greedy, speculative with random drafts, and speculative with an oracle drafter;
+    `tree`/`oracle_tree` are the TreeSpecs of the last two (None: chain)."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.generation import greedy_generate
 
@@ -61,14 +58,14 @@ def identity_worker(tp, pp, out_file):
     for algo in ALGOS:
         model = build(algo)
         greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
-        generator = SpeculativeGenerator(model, K)
-        plain = generator.generate(PROMPT, NEW)
+        plain = SpeculativeGenerator(model, K, tree=tree).generate(PROMPT, NEW)
+        generator = SpeculativeGenerator(model, K, tree=oracle_tree)
         if generator.drafter is not None:  # the last stage
             generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
                                               HF["vocab_size"])
         results[algo] = {"greedy": greedy[:NEW], "plain": plain,
                          "oracle": generator.generate(PROMPT, NEW)}
-    if _writer():
+    if is_writer():
         torch.save(results, out_file)
 
 

@@ -9,14 +9,15 @@ import torch
 from megatron_specdec import distributed
 from megatron_specdec.decoding.oracle import OracleDrafter
 from test_speculative_generation import expected_accepts
+from workers import is_writer
 
 K, NEW = 4, 24
 WRONG_AT = (3, 4, 11)
 
 
-def worker(tp, pp, hf_dir, prompt, out_file):
-    from megatron.core import parallel_state as ps
-
+def worker(tp, pp, hf_dir, prompt, out_file, tree=None, oracle_tree=None):
+    """Plain greedy, then per algorithm a random draft and an oracle drafter;
+    `tree`/`oracle_tree` are the TreeSpecs of the two speculative runs (None: chain)."""
     from megatron_specdec import convert
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.generation import greedy_generate
@@ -29,13 +30,13 @@ def worker(tp, pp, hf_dir, prompt, out_file):
     results = {"greedy": greedy[:NEW]}
     for algo, cfg in (("eagle3", {"ttt_steps": K}), ("medusa", {"medusa_num_heads": K})):
         model = convert(base, algo, cfg, hf_config=config).eval()
-        generator = SpeculativeGenerator(model)
-        results[algo] = generator.generate(prompt, NEW)
+        results[algo] = SpeculativeGenerator(model, tree=tree).generate(prompt, NEW)
+        generator = SpeculativeGenerator(model, tree=oracle_tree)
         if generator.drafter is not None:  # the last stage
             generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
                                               config.vocab_size)
         results[f"{algo}_oracle"] = generator.generate(prompt, NEW)
-    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+    if is_writer():
         torch.save(results, out_file)
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
 from megatron_specdec.decoding.tree import TreeSpec, ancestors, grow_tree, verify_layout
-from test_speculative_generation import HF, K, NEW, PROMPT, WRONG_AT, build, expected_accepts
+import test_speculative_smollm2 as smollm2
+from test_speculative_generation import (K, NEW, PROMPT, WRONG_AT, build, expected_accepts,
+                                         identity_worker)
 
 SPEC = TreeSpec(top_k=3, max_nodes=20)
 
@@ -147,79 +148,30 @@ def test_top1_tree_is_the_chain(eagle3):
         SpeculativeGenerator(eagle3, K, tree=TreeSpec(2, max_nodes=2))
 
 
-def _writer():
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-
-
-def tree_worker(tp, pp, out_file):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
-
-    distributed.initialize(tp, pp)
-    results = {}
-    for algo in ("eagle3", "medusa"):
-        model = build(algo)
-        greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
-        capped = SpeculativeGenerator(model, K, tree=SPEC).generate(PROMPT, NEW)
-        generator = SpeculativeGenerator(model, K, tree=TreeSpec(3))
-        if generator.drafter is not None:  # the last stage
-            generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
-                                              HF["vocab_size"])
-        results[algo] = {"greedy": greedy[:NEW], "capped": capped,
-                         "oracle": generator.generate(PROMPT, NEW)}
-    if _writer():
-        torch.save(results, out_file)
-
-
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_tree_equals_greedy(tp, pp, tmp_path):
     out = tmp_path / "out.pt"
-    distributed.spawn(tree_worker, tp * pp, tp, pp, str(out))
+    distributed.spawn(identity_worker, tp * pp, tp, pp, str(out), SPEC, TreeSpec(3))
     for algo, got in torch.load(out, weights_only=False).items():
-        assert got["capped"].tokens == got["greedy"], algo
-        assert all(0 <= a <= K for a in got["capped"].accepted), algo
+        assert got["plain"].tokens == got["greedy"], algo
+        assert all(0 <= a <= K for a in got["plain"].accepted), algo
         assert got["oracle"].tokens == got["greedy"], algo
         assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
-
-
-def smollm2_worker(tp, pp, hf_dir, prompt, out_file):
-    from megatron_specdec import convert
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
-    from megatron_specdec.hf_conversion import model_from_hf
-
-    distributed.initialize(tp, pp)
-    base, config = model_from_hf(hf_dir)
-    base.eval()
-    new = 24
-    greedy = greedy_generate(base, [prompt], new + K + 1, config.vocab_size)[0]
-    results, models = {"greedy": greedy[:new]}, {}
-    for algo, cfg in (("eagle3", {"ttt_steps": K}), ("medusa", {"medusa_num_heads": K})):
-        models[algo] = convert(base, algo, cfg, hf_config=config).eval()
-        generator = SpeculativeGenerator(models[algo], tree=TreeSpec(4, max_nodes=16))
-        results[algo] = generator.generate(prompt, new)
-    generator = SpeculativeGenerator(models["eagle3"], tree=TreeSpec(2))
-    if generator.drafter is not None:  # the last stage
-        generator.drafter = OracleDrafter(generator.drafter, greedy, (3, 4, 11),
-                                          config.vocab_size)
-    results["oracle"] = generator.generate(prompt, new)
-    if _writer():
-        torch.save(results, out_file)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_smollm2_tree_equals_greedy(tp, pp, default_hf_dir, chat_prompt_ids, tmp_path):
     """SmolLM2-135M-Instruct with a random EAGLE3 draft and random Medusa heads (16-node
-    trees of top-4 branching), and oracle trees over the EAGLE3 drafter."""
+    trees of top-4 branching), and oracle trees (top-2) over both drafters."""
     out = tmp_path / "out.pt"
-    distributed.spawn(smollm2_worker, tp * pp, tp, pp, str(default_hf_dir), chat_prompt_ids,
-                      str(out))
+    distributed.spawn(smollm2.worker, tp * pp, tp, pp, str(default_hf_dir), chat_prompt_ids,
+                      str(out), TreeSpec(4, max_nodes=16), TreeSpec(2))
     got = torch.load(out, weights_only=False)
-    for run in ("eagle3", "medusa", "oracle"):
+    for run in ("eagle3", "medusa", "eagle3_oracle", "medusa_oracle"):
         assert got[run].tokens == got["greedy"], run
-        assert all(0 <= a <= K for a in got[run].accepted), run
-    assert got["oracle"].accepted == expected_accepts(K, 24, (3, 4, 11))
+        assert all(0 <= a <= smollm2.K for a in got[run].accepted), run
+    for algo in ("eagle3", "medusa"):
+        assert got[f"{algo}_oracle"].accepted == expected_accepts(
+            smollm2.K, smollm2.NEW, smollm2.WRONG_AT), algo
     print({run: got[run].accepted for run in ("eagle3", "medusa")})

@@ -7,7 +7,7 @@ from megatron_specdec.generation import StageRunner, greedy_generate
 from megatron_specdec.hf_conversion import model_from_hf
 
 
-def _writer():
+def is_writer():
     """The rank that holds full results: last pipeline stage, first TP rank."""
     from megatron.core import parallel_state as ps
 
@@ -22,7 +22,7 @@ def parity(tp, pp, hf_dir, prompt_ids, new_tokens, out_file):
     runner = StageRunner(model, 1, len(prompt_ids), config.vocab_size)
     logits = runner.step(torch.tensor([prompt_ids]))
     tokens = greedy_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
-    if _writer():
+    if is_writer():
         torch.save({"logits": logits[0], "tokens": tokens}, out_file)
 
 
@@ -56,5 +56,5 @@ def checkpoint_loss(tp, pp, ckpt_dir, tokens, out_file):
     model, _, _ = checkpoint.load_model_for_inference(ckpt_dir)
     with torch.no_grad():
         loss = lm_loss(model, tokens, torch.ones_like(tokens))
-    if _writer():
+    if is_writer():
         torch.save(loss, out_file)
