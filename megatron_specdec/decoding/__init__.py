@@ -5,15 +5,14 @@ drafts a chain of k tokens (EAGLE3 draft with its own KV cache, or Medusa heads)
 it in one base forward, accepts with the fused greedy chain op and rolls both caches back;
 its output equals plain greedy generation. `tree=TreeSpec(top_k, max_nodes)` drafts an
 EAGLE-2-style tree of depth k instead and verifies it in one forward with a tree mask (the
-fused greedy tree op). `evaluate_acceptance` (and
-`python -m megatron_specdec.decoding.validate`) measures acceptance length over a prompt set.
+fused greedy tree op). `decoding.validate.evaluate_acceptance` (and
+`python -m megatron_specdec.decoding.validate`) measures acceptance length over a prompt set;
+it is not re-exported here, so running that module with -m does not import it twice.
 Named `decoding` because `megatron_specdec.speculative` holds the convert API.
 """
 
 from megatron_specdec.decoding.generator import GenerationResult, SpeculativeGenerator
 from megatron_specdec.decoding.metrics import acceptance_summary
 from megatron_specdec.decoding.tree import TreeSpec
-from megatron_specdec.decoding.validate import evaluate_acceptance
 
-__all__ = ["GenerationResult", "SpeculativeGenerator", "TreeSpec", "acceptance_summary",
-           "evaluate_acceptance"]
+__all__ = ["GenerationResult", "SpeculativeGenerator", "TreeSpec", "acceptance_summary"]
