@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 class StageRunner:
-    """One forward of this pipeline stage over a static KV cache: `step(tokens)` appends
+    """One forward of this pipeline stage over a preallocated KV cache: `step(tokens)` appends
     `tokens` [b, s] to the cache and returns full-vocabulary logits [b, s, V] on the last
     stage (None elsewhere). `rewind(n)` drops the last n cached positions; `compact` keeps
     chosen ones (a verified draft tree's accepted path).
@@ -19,17 +19,20 @@ class StageRunner:
     The stage runs as explicit code (embedding, each decoder layer, final norm, output
     layer) rather than through GPTModel.forward, so that a speculative decoder can read the
     residual stream after chosen layers (`capture_ids`, 0-based output-of-layer) and the
-    final normed hidden state (`capture_final`) from `captured` after each step."""
+    final normed hidden state (`capture_final`) from `captured` after each step. The cache
+    is a layers.decode_attention.DecodeCache: keys are stored rotated at the RoPE position
+    each token was given, and only the new tokens are rotated per step."""
 
     def __init__(self, model, batch_size: int, max_length: int, vocab_size: int,
                  capture_ids=(), capture_final: bool = False):
         from megatron.core import parallel_state as ps
-        from megatron.core.inference.contexts import StaticInferenceContext
+
+        from megatron_specdec.layers.decode_attention import DecodeCache
 
         self.model = model
         self.vocab_size = vocab_size
-        self.context = StaticInferenceContext(batch_size, max_length)
-        self.context.materialize_only_last_token_logits = False
+        self.context = DecodeCache(batch_size, max_length)
+        self.rotary = model.rotary_pos_emb(max_length)  # [max_length, 1, 1, rotary dim]
         self.first = ps.is_pipeline_first_stage()
         self.last = ps.is_pipeline_last_stage()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -38,7 +41,7 @@ class StageRunner:
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.params_dtype
-        self.key_padding = torch.zeros(batch_size, 0, dtype=torch.bool)
+        self.key_padding = None
         self.capture_ids = set(capture_ids)
         self.capture_final = capture_final
         self.captured = {}
@@ -49,18 +52,25 @@ class StageRunner:
 
     def set_padding(self, key_padding: torch.Tensor):
         """[b, prompt_len] True where a prompt position is left padding."""
-        self.key_padding = key_padding
+        self.key_padding = key_padding if bool(key_padding.any()) else None
 
-    def _mask(self, s: int, device) -> torch.Tensor:
-        """[b, 1, s, offset + s] True where attention is not allowed (future or padding)."""
+    def _mask(self, s: int, device):
+        """[b|1, 1, s, offset + s] True where attention is not allowed (future or padding), or
+        None when nothing is (one new token, no padding). A query always sees its own key,
+        so a padding position's row is never empty (no NaN enters the cache)."""
         offset = self.length
         total = offset + s
+        if s == 1 and self.key_padding is None:
+            return None
         q = torch.arange(offset, total, device=device).unsqueeze(1)
         k = torch.arange(total, device=device).unsqueeze(0)
-        future = (k > q).unsqueeze(0)
-        pad = torch.zeros(self.key_padding.shape[0], total, dtype=torch.bool, device=device)
-        pad[:, : self.key_padding.shape[1]] = self.key_padding[:, :total].to(device)
-        return (future | pad[:, None, :]).unsqueeze(1)
+        mask = (k > q).unsqueeze(0)
+        if self.key_padding is not None:
+            pad = torch.zeros(self.key_padding.shape[0], total, dtype=torch.bool, device=device)
+            width = min(self.key_padding.shape[1], total)
+            pad[:, :width] = self.key_padding[:, :width].to(device)
+            mask = (mask | pad[:, None, :]) & (k != q).unsqueeze(0)
+        return mask.unsqueeze(1)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, last_only: bool = False, positions=None,
@@ -68,42 +78,33 @@ class StageRunner:
         """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
         `last_only` just the final position's, so a long prefill never holds [b, s, vocab].
 
-        By default token i goes to RoPE position = cache slot and attends causally. A draft
+        By default token i takes RoPE position = its cache slot and attends causally. A draft
         tree passes its own `positions` [s] (shared by the batch) and `attention_mask`
-        [b|1, 1, s, length + s] (True = may not attend); the cached slots before it must hold
-        position = slot, which `compact` restores."""
+        [b|1, 1, s, length + s] (True = may not attend)."""
         b, s = tokens.shape
         device = tokens.device
+        pos = (torch.arange(self.length, self.length + s, device=device)
+               if positions is None else positions)
         if self.first:
-            pos = (torch.arange(self.length, self.length + s, device=device)
-                   if positions is None else positions)
             hidden = self.model.embedding(input_ids=tokens, position_ids=pos.expand(b, s))
         else:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)
         mask = self._mask(s, device) if attention_mask is None else attention_mask
-        hidden = self._layers(hidden, mask, positions)
+        self.context.rotary = self.rotary[pos]
+        hidden = self._layers(hidden, mask)
         self.context.sequence_len_offset += s
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
         return self._logits(hidden[-1:] if last_only else hidden)
 
-    def _layers(self, hidden, mask, positions=None):
-        """This stage's decoder layers over the cache (as TransformerBlock runs them in
-        inference), recording the outputs named in `capture_ids`."""
+    def _layers(self, hidden, mask):
+        """This stage's decoder layers over the cache, recording the outputs named in
+        `capture_ids`."""
         self.captured = {}
-        # Static batching slices this table by the cache offset inside each attention
-        # (queries: the new slots; keys: all slots, rotated after the cache read).
-        rotary = self.model.rotary_pos_emb(self.context.max_sequence_length)
-        if positions is not None:  # one row per slot, holding that slot's position
-            if self.model.config.flash_decode:
-                raise NotImplementedError("explicit positions need RoPE applied after the "
-                                          "cache read (flash_decode caches rotated keys)")
-            slots = torch.arange(self.length, device=positions.device)
-            rotary = rotary[torch.cat([slots, positions])]
         for layer in self.model.decoder.layers:
-            hidden, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rotary,
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask,
                               inference_context=self.context)
             if layer.layer_number - 1 in self.capture_ids:
                 self.captured[layer.layer_number - 1] = hidden
@@ -113,14 +114,15 @@ class StageRunner:
         """Final norm and output layer; the vocab-parallel logits are gathered over TP."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+        from megatron_specdec.layers.small_rows_linear import rows_linear
+
         model = self.model
         hidden = model.decoder.final_layernorm(hidden)
         if self.capture_final:
             self.captured["final"] = hidden
         weight = (model.shared_embedding_or_output_weight()
-                  if model.share_embeddings_and_output_weights else None)
-        logits, _ = model.output_layer(hidden, weight=weight)
-        logits = gather_from_tensor_model_parallel_region(logits)
+                  if model.share_embeddings_and_output_weights else model.output_layer.weight)
+        logits = gather_from_tensor_model_parallel_region(rows_linear(hidden, weight))
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
     def rewind(self, n: int):
@@ -128,9 +130,10 @@ class StageRunner:
 
     def compact(self, start: int, slots: torch.Tensor):
         """Move the cached entries at `slots` (ascending, >= start) to start, start + 1, ...
-        and drop every later one. The cache holds keys before RoPE, so when each moved entry's
-        RoPE position equals its new slot (a tree's accepted path: prefix + depth) the result
-        is the cache a chain forward over the same tokens writes; nothing is recomputed."""
+        and drop every later one. Keys are cached rotated at their RoPE position, so when each
+        moved entry's position equals its new slot (a tree's accepted path: prefix + depth)
+        the result is the cache a chain forward over the same tokens writes; nothing is
+        recomputed."""
         for key, value in self.context.key_value_memory_dict.values():
             key[start: start + slots.numel()] = key[slots]
             value[start: start + slots.numel()] = value[slots]

@@ -41,15 +41,39 @@ def resolve_transformer_impl(impl: str = "auto") -> str:
 
 
 def layer_spec(config, impl: str):
+    """megatron-core's GPT layer spec for `impl` with the decoding attention of
+    layers/decode_attention.py (rotated-key cache, caller's mask applied); the local spec
+    also takes the small-row linears and SDPA core attention (layers/small_rows_linear.py).
+    Parameter names and shapes are megatron's own."""
+    from dataclasses import replace
+
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron_specdec.layers.decode_attention import DecodeSelfAttention, SDPAttention
+    from megatron_specdec.layers.small_rows_linear import (
+        SmallRowsColumnParallelLinear,
+        SmallRowsRowParallelLinear,
+    )
+
     if impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=config.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
-    )
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+        )
+    layer = spec.submodules
+    attention = replace(layer.self_attention, module=DecodeSelfAttention)
+    mlp = layer.mlp
+    if impl != "transformer_engine":
+        attention = replace(attention, submodules=replace(
+            attention.submodules, linear_qkv=SmallRowsColumnParallelLinear,
+            core_attention=SDPAttention, linear_proj=SmallRowsRowParallelLinear))
+        mlp = replace(mlp, submodules=replace(
+            mlp.submodules, linear_fc1=SmallRowsColumnParallelLinear,
+            linear_fc2=SmallRowsRowParallelLinear))
+    return replace(spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
 
 
 def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_impl="auto",
