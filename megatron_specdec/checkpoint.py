@@ -2,9 +2,18 @@
 
 A checkpoint directory holds the dist_checkpointing files, the tokenizer, and
 `specdec_checkpoint.json` (the HF config, layer implementation, draft-module config). It is
-written under a temporary name beside its target and renamed into place only when every rank
-has finished, so a directory with that name is complete by construction; one without the
-metadata file (an interrupted save) is refused.
+written under a temporary name beside its target and committed only when every rank has
+finished, so a directory with that name is complete by construction; one without the
+metadata file (an interrupted save) is refused. Its pickled files are vetted before any load
+(pickle_guard): a checkpoint that would run code is refused without running it.
+
+Commit (`commit_dir`): the path is a relative symlink to a hidden versioned sibling
+(`.<name>.v-<id>`). A new version is renamed to its final name, a new link to it is made
+under a temporary name, and `os.replace` swaps the link in: POSIX rename is atomic, so a
+reader of the path sees the old complete checkpoint or the new one, never nothing. The old
+version is removed only after the swap, so a reader still inside it then loses it: replacing
+a checkpoint while another process loads it is not supported. Unlike swapping directories
+(renameat2 RENAME_EXCHANGE) this works on every POSIX filesystem, NFS and Lustre included.
 """
 
 import json
@@ -15,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from megatron_specdec import pickle_guard
 
 META_FILE = "specdec_checkpoint.json"
 TOKENIZER_DIR = "tokenizer"
@@ -61,15 +72,35 @@ def atomic_dir(path):
 
 
 def commit_dir(tmp, path):
-    """Rename `tmp` onto `path`; an existing `path` is moved aside first and removed after."""
+    """Make the complete directory `tmp` the content of `path` with no moment where `path`
+    holds neither the old nor the new one (see the module notes); the old one is removed
+    after. A real directory at `path` (written before links were used) cannot be replaced
+    atomically by a link: it is renamed aside just before the link takes its place."""
     tmp, path = Path(tmp), Path(path)
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    tag = uuid.uuid4().hex[:8]
+    version = path.parent / f".{path.name}.v-{tag}"
+    os.rename(tmp, version)
+    link = path.parent / f".{path.name}.link-{tag}"
+    os.symlink(version.name, link)
+    old = path.resolve() if path.is_symlink() else None
+    if path.is_dir() and not path.is_symlink():
+        old = path.parent / f".{path.name}.old-{tag}"
         os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
+    os.replace(link, path)
+    if old is not None and old.is_dir():
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dir(path):
+    """Remove a committed directory: the link and the version it points to (or a plain
+    directory)."""
+    path = Path(path)
+    if path.is_symlink():
+        target = path.resolve()
+        path.unlink()
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def copy_tokenizer(src_dir, dst_dir):
@@ -134,6 +165,10 @@ def read_meta(path) -> dict:
         )
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: dist_checkpointing metadata.json is missing")
+    try:
+        pickle_guard.dist_metadata(path)
+    except pickle_guard.UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:

