@@ -70,10 +70,12 @@ _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "empty_like")
 
 
 def _device_literal_patch():
-    """Pipeline schedules and dist_checkpointing allocate with device="cuda" literals: their
-    module-level `torch` is replaced by a proxy whose tensor factories map "cuda" to the CPU."""
+    """Pipeline schedules, dist_checkpointing and the float16 loss scaler allocate with
+    device="cuda" literals: their module-level `torch` is replaced by a proxy whose tensor
+    factories map "cuda" to the CPU."""
     from megatron.core.dist_checkpointing import exchange_utils
     from megatron.core.dist_checkpointing.strategies import state_dict_saver
+    from megatron.core.optimizer import grad_scaler
     from megatron.core.pipeline_parallel import schedules
 
     def cpu_factory(factory):
@@ -89,7 +91,7 @@ def _device_literal_patch():
             value = getattr(torch, name)
             return cpu_factory(value) if name in _FACTORIES else value
 
-    for module in (schedules, exchange_utils, state_dict_saver):
+    for module in (schedules, exchange_utils, state_dict_saver, grad_scaler):
         module.torch = _TorchOnCpu()
 
 

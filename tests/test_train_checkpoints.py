@@ -126,3 +126,84 @@ def test_checkpoint_of_another_draft_refused_by_key(trained):
                                           hf["num_hidden_layers"], hf["vocab_size"])
     with pytest.raises(CheckpointError, match="draft_vocab_size, padded_draft_vocab_size"):
         checkpoints.check_compatible(path, meta, model)
+
+
+class _Payload:
+    """Unpickling this creates `marker`: what an attacker's code would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _rewrite_manifest(path):
+    """A forger would make the manifest match: only the pickle check may refuse."""
+    import hashlib
+    import json
+
+    files = {str(f.relative_to(path)): {"size": f.stat().st_size,
+                                        "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+             for f in sorted(path.rglob("*")) if f.is_file() and f.name != checkpoints.MANIFEST}
+    (path / checkpoints.MANIFEST).write_text(json.dumps({"files": files}))
+
+
+@pytest.mark.parametrize("where,reason", [
+    (".metadata", r"\.metadata: its pickle refers to io\.open"),
+    ("object", r"holds pickled objects \(rng_state/shard_0_1\)"),
+    ("common.pt", r"common\.pt holds more than tensors"),
+])
+def test_pickle_payload_refused_without_running_it(trained, tmp_path, where, reason):
+    import io
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = _copy(trained, tmp_path)
+    marker = tmp_path / "payload_ran"
+    payload = pickle.dumps(_Payload(marker))
+    if where == ".metadata":
+        (path / ".metadata").write_bytes(payload)
+    elif where == "object":  # how format 1 stored RNG states: a pickled ShardedObject
+        for f in path.glob("*.distcp"):
+            f.unlink()
+        dcp.save({"rng_state/shard_0_1": io.BytesIO(payload), "x": torch.zeros(2)},
+                 checkpoint_id=str(path), no_dist=True)
+    else:
+        torch.save({"payload": _Payload(marker)}, path / "common.pt")
+    _rewrite_manifest(path)
+    with pytest.raises(CheckpointError, match=reason):
+        checkpoints.verify(path)
+    assert not marker.exists()
+    pickle.loads(payload)  # the payload is live: unpickled as torch/megatron would, it runs
+    assert marker.exists()
+
+
+def test_resume_over_another_base_refused_naming_it(trained, tmp_path):
+    _, _, data, out, _ = trained
+    other = ts.make_tiny_model(tmp_path / "other_model", seed=1)
+    run = tmp_path / "run"
+    shutil.copytree(out / "checkpoints", run / "checkpoints")
+    result = ts.run(ts.overrides(other, data, run, **{"optimizer.decay": "constant"}))
+    assert result.startswith("error: CheckpointError") and "another base model" in result, result
+    assert "tensor embedding.word_embeddings.weight (sum|x| saved" in result, result
+
+
+def test_base_fingerprint_names_config_and_dtype(trained):
+    import copy
+
+    from megatron_specdec.checkpoint import read_meta
+    from megatron_specdec.training.base_fingerprint import differences
+
+    saved = read_meta(checkpoints.step_dir(trained[3] / "checkpoints", 4))
+    saved = saved["training_checkpoint"]["base"]
+    assert differences(saved, saved) == []
+    mine = copy.deepcopy(saved)
+    mine["config"]["rms_norm_eps"] *= 2
+    mine["dtype"] = "bfloat16"
+    assert differences(saved, mine) == [
+        f"config rms_norm_eps (saved {saved['config']['rms_norm_eps']!r}, "
+        f"now {mine['config']['rms_norm_eps']!r})",
+        "dtype (saved float32, now bfloat16)"]

@@ -17,8 +17,8 @@ class Killed(Exception):
     pass
 
 
-def make_tiny_model(out: Path) -> Path:
-    """A 4-layer h=64 Llama (random, seeded) in an HF directory with SmolLM2's tokenizer."""
+def make_tiny_model(out: Path, seed: int = 0) -> Path:
+    """A 4-layer h=64 Llama (random from `seed`) in an HF directory with SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_specdec.default_model import default_model_dir
@@ -27,7 +27,7 @@ def make_tiny_model(out: Path) -> Path:
                          num_key_value_heads=2, intermediate_size=128, vocab_size=49152,
                          max_position_embeddings=256, tie_word_embeddings=True,
                          rms_norm_eps=1e-5, rope_theta=10000.0)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(out)
     for f in default_model_dir().iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):

@@ -1,15 +1,19 @@
-"""Training checkpoints: draft weights, AdamW state, trainer position and RNG, resumable at
-another TP/PP layout, verified before use.
+"""Training checkpoints: draft weights, optimizer state, trainer position and RNG, resumable at
+another TP/PP layout, verified before use, loaded without unpickling anything.
 
-One checkpoint is a megatron_specdec dist checkpoint (`checkpoint.save_checkpoint`, written
-under a temporary name and renamed into place) holding
+One checkpoint is a megatron_specdec dist checkpoint (`checkpoint.save_checkpoint`, committed
+atomically) holding
   - the draft module's sharded tensors (the frozen base is not repeated: it comes from the
     recipe's model and is rebuilt on resume),
-  - AdamW's exp_avg / exp_avg_sq as ShardedTensors shaped like their parameters (so they
-    reshard with them), the shared AdamW step in the common state,
-  - the trainer state (step, consumed samples, tokens) in the common state,
-  - every rank's RNG states as one ShardedObject (restored when the world size matches).
-After the rename, rank 0 adds `manifest.json` (size and sha256 of every file). A directory
+  - AdamW's exp_avg / exp_avg_sq, and the fp32 master weights of a bf16/fp16 draft, as
+    ShardedTensors shaped like their parameters (so they reshard with them),
+  - every rank's RNG states as tensors (`rng.<name>`, one row per rank, restored when the
+    world size matches),
+and, in `specdec_checkpoint.json` under `training_checkpoint`: the trainer state (step,
+consumed samples, tokens), the shared AdamW step, the float16 loss scale, and the base
+model's fingerprint (base_fingerprint), compared on resume. Nothing is a pickled object: a
+checkpoint holding one is refused unread (pickle_guard).
+After the commit, rank 0 adds `manifest.json` (size and sha256 of every file). A directory
 without a manifest, or whose files do not match it, is refused on resume with the reason,
 renamed aside to `<name>.corrupt` (never deleted), and the previous good one is used.
 """
@@ -17,10 +21,10 @@ renamed aside to `<name>.corrupt` (never deleted), and the previous good one is 
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -28,13 +32,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_specdec import checkpoint
+from megatron_specdec import checkpoint, pickle_guard
 from megatron_specdec.distributed import device
+from megatron_specdec.training import base_fingerprint
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FORMAT = 2  # 1 stored RNG states as a pickled ShardedObject
 _NAME = re.compile(r"^step_(\d{7,})$")
 
 
@@ -50,84 +56,73 @@ def step_dir(directory, step: int) -> Path:
 
 
 # ---- RNG -----------------------------------------------------------------------------------
-def rng_state() -> dict:
+def rng_tensors() -> dict:
+    """This rank's RNG states as tensors: torch's, the model-parallel tracker's, CUDA's, and
+    Python's Mersenne Twister words with its cached gauss (NaN for none)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": get_cuda_rng_tracker().get_states()}
+    _, words, gauss = random.getstate()
+    state = {"python": torch.tensor(words, dtype=torch.int64),
+             "python_gauss": torch.tensor([math.nan if gauss is None else gauss],
+                                          dtype=torch.float64),
+             "torch": torch.get_rng_state()}
+    state.update({f"tracker.{name}": t.cpu()
+                  for name, t in get_cuda_rng_tracker().get_states().items()})
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict):
+def set_rng_tensors(state: dict):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
+    gauss = float(state["python_gauss"][0])
+    random.setstate((3, tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
     torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    get_cuda_rng_tracker().set_states({k[len("tracker."):]: v for k, v in state.items()
+                                       if k.startswith("tracker.")})
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
 # ---- sharded state -------------------------------------------------------------------------
-def _init_adam_state(optimizer):
-    """Zero AdamW state for every parameter, so a load has tensors of the right shapes."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state[p]:
-                optimizer.state[p] = {"step": torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+def _sharded_state(model, optimizer, rng: Optional[dict]) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-
-def _sharded_state(model, optimizer, trainer: dict, rng: Optional[dict]) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
-
-    sd = {"trainer": trainer}
+    sd = {}
     if model.draft is not None:
-        draft_sd = model.draft.sharded_state_dict(prefix=f"{model.algo}.")
+        # TE's `_extra_state` entries are pickled objects that hold nothing without fp8.
+        draft_sd = {k: v for k, v in model.draft.sharded_state_dict(prefix=f"{model.algo}.").items()
+                    if not isinstance(v, ShardedObject)}
         sd["model"] = draft_sd
-        optim = optimizer.state_dict()
-        steps = {float(s["step"]) for s in optim["state"].values()}
-        if len(steps) > 1:
-            raise RuntimeError(f"AdamW steps differ between parameters: {sorted(steps)}")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        optim_state_to_sharding_state(
-            optim, get_param_id_to_sharded_param_map(draft_sd, params), exclude_keys=("step",)
-        )
-        sd["optimizer"] = {"state": optim["state"]}
+        sd["optimizer"] = optimizer.sharded_state_dict(draft_sd)
     if rng is not None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        sd["rng"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+        sd["rng"] = {k: ShardedTensor.from_rank_offsets(f"rng.{k}", t[None], (0, rank, world),
+                                                        replica_id=0)
+                     for k, t in rng.items()}
     return sd
 
 
 def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict,
          keep_last: int) -> Path:
     """Collectively write checkpoint `step`, then its manifest, then `latest`; prune the
-    oldest good checkpoints beyond `keep_last`."""
+    oldest good checkpoints beyond `keep_last`. `meta["training_checkpoint"]` carries the
+    draft config and base fingerprint."""
     path = step_dir(directory, step)
-    adam_step = 0.0
-    if optimizer is not None:
-        _init_adam_state(optimizer)
-        adam_step = float(next(iter(optimizer.state.values()))["step"])
-    # The common state is rank 0's, which may hold no draft: share the AdamW step.
-    trainer = {"state": asdict(state), "adam_step": _max_over_world(adam_step)}
-    meta = dict(meta, training_checkpoint=dict(meta.get("training_checkpoint", {}), step=step,
-                                               world_size=dist.get_world_size()))
-    checkpoint.save_checkpoint(model, path, meta, overwrite=True,
-                               sharded_state_dict=_sharded_state(model, optimizer, trainer,
-                                                                 rng_state()))
+    # The JSON is rank 0's, which may hold no draft: share the AdamW step.
+    record = dict(meta["training_checkpoint"], format=FORMAT, step=step,
+                  world_size=dist.get_world_size(), trainer=asdict(state),
+                  adam_step=_max_over_world(optimizer.adam_step()),
+                  loss_scale=optimizer.loss_scale_state())
+    checkpoint.save_checkpoint(model, path, dict(meta, training_checkpoint=record),
+                               overwrite=True,
+                               sharded_state_dict=_sharded_state(model, optimizer, rng_tensors()))
     if dist.get_rank() == 0:
         _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
         _write_text_atomic(Path(directory) / LATEST, path.name + "\n")
         for old in checkpoints_in(directory, with_manifest=True)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+            checkpoint.remove_dir(old)
     dist.barrier()
     return path
 
@@ -143,56 +138,67 @@ _RESUMABLE_CHANGES = ("ttt_steps", "ttt_decay", "medusa_head_weights")
 
 
 def check_compatible(path, meta: dict, model):
-    """Refuse a checkpoint whose draft (or base geometry) differs from the model's, naming
+    """Refuse a checkpoint of another format or whose draft differs from the model's, naming
     the keys, before dist_checkpointing fails on a shape."""
     from megatron_specdec import spec_config
 
-    saved = meta["training_checkpoint"]["draft"]
+    record = meta["training_checkpoint"]
+    if record.get("format") != FORMAT:
+        raise checkpoint.CheckpointError(
+            f"{path}/{checkpoint.META_FILE}: training_checkpoint.format is "
+            f"{record.get('format')!r}, expected {FORMAT} (format 1 kept RNG states as a "
+            f"pickle, which is not loaded); use another checkpointing.directory")
+    saved = record["draft"]
     mine = spec_config.to_dict(model.spec_config)
     diff = sorted(k for k in set(saved["config"]) | set(mine["config"])
                   if k not in _RESUMABLE_CHANGES
                   and saved["config"].get(k) != mine["config"].get(k))
     if saved["algo"] != mine["algo"]:
         diff.insert(0, "algo")
-    base = {"hidden_size": model.config.hidden_size,
-            "num_hidden_layers": model.config.num_layers, "vocab_size": model.vocab_size}
-    diff += [f"base {k}" for k, v in base.items() if meta["hf_config"].get(k) != v]
     if diff:
         raise checkpoint.CheckpointError(
-            f"{path} was trained with another draft or base: {', '.join(diff)} differ "
+            f"{path} was trained with another draft: {', '.join(diff)} differ "
             f"(saved draft {saved}); use another checkpointing.directory")
 
 
-def load(path, model, optimizer) -> TrainerState:
-    """Restore draft weights, AdamW state and RNG from a verified checkpoint (any layout)."""
+def check_base(path, meta: dict, fingerprint: dict):
+    """Refuse a checkpoint trained over another base model, naming what differs."""
+    diff = base_fingerprint.differences(meta["training_checkpoint"]["base"], fingerprint)
+    if diff:
+        raise checkpoint.CheckpointError(
+            f"{path} was trained over another base model (saved from model.path "
+            f"{meta['training_checkpoint'].get('base_model')!r}): {'; '.join(diff)}; resume "
+            f"over the same base and model.dtype, or use another checkpointing.directory")
+
+
+def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
+    """Restore draft weights, optimizer state and RNG from a verified checkpoint (any
+    layout) trained over the base whose `fingerprint` is given."""
     from megatron.core import dist_checkpointing
 
     meta = checkpoint.read_meta(path)
+    _refuse_objects(path)
     check_compatible(path, meta, model)
-    same_world = meta["training_checkpoint"]["world_size"] == dist.get_world_size()
-    if optimizer is not None:
-        _init_adam_state(optimizer)
-    template = _sharded_state(model, optimizer, {}, rng_state() if same_world else None)
+    check_base(path, meta, fingerprint)
+    record = meta["training_checkpoint"]
+    same_world = record["world_size"] == dist.get_world_size()
+    template = _sharded_state(model, optimizer, rng_tensors() if same_world else None)
     loaded = dist_checkpointing.load(template, str(path))
     if model.draft is not None:
         missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-        missing = [k for k in missing if k.startswith(f"{model.algo}.")]
+        missing = [k for k in missing
+                   if k.startswith(f"{model.algo}.") and not k.endswith("_extra_state")]
         if missing or unexpected:
             raise checkpoint.CheckpointError(
                 f"{path}: draft weights do not match the model (missing {missing}, "
                 f"unexpected {unexpected})")
-        adam_step = torch.tensor(loaded["trainer"]["adam_step"])
-        state = loaded["optimizer"]["state"]
-        for param_state in state.values():
-            param_state["step"] = adam_step.clone()
-        optimizer.load_state_dict({"state": state,
-                                   "param_groups": optimizer.state_dict()["param_groups"]})
+    optimizer.load(loaded.get("optimizer"), record["adam_step"], record["loss_scale"])
     if same_world:
-        set_rng_state(loaded["rng"])
+        set_rng_tensors({k: v[0] for k, v in loaded["rng"].items()})  # this rank's row
     else:
         log.warning("%s was saved by %d ranks, resuming on %d: RNG states start fresh", path,
-                    meta["training_checkpoint"]["world_size"], dist.get_world_size())
-    return TrainerState(**loaded["trainer"]["state"])
+                    record["world_size"], dist.get_world_size())
+    return TrainerState(**record["trainer"])
 
 
 # ---- verification and discovery ------------------------------------------------------------
@@ -209,10 +215,19 @@ def _file_table(path: Path) -> dict:
             for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
 
 
+def _refuse_objects(path):
+    objects = pickle_guard.pickled_objects(pickle_guard.dist_metadata(path))
+    if objects:
+        raise checkpoint.CheckpointError(
+            f"{path} holds pickled objects ({', '.join(objects)}), which a training checkpoint "
+            f"never does (loading them could run code); not loaded")
+
+
 def verify(path) -> None:
     """Raise CheckpointError saying what is wrong with checkpoint `path`, if anything."""
     path = Path(path)
     checkpoint.read_meta(path)
+    _refuse_objects(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise checkpoint.CheckpointError(f"{path}: {MANIFEST} is missing (save interrupted)")

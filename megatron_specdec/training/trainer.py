@@ -1,6 +1,7 @@
 """The freeze-and-train loop: one optimizer step = `global_batch_size` samples through the
 pipeline schedule (the base frozen, gradients only in the draft), data-parallel gradient
-averaging, global-norm clipping, AdamW, the lr schedule as a pure function of the step.
+averaging, global-norm clipping, AdamW on fp32 master weights, the lr schedule as a pure
+function of the step.
 Checkpoints every `checkpointing.interval` steps and at the end; the trained model (base +
 draft) is written to `<output_dir>/final` as a speculative checkpoint."""
 
@@ -11,9 +12,10 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_specdec import distributed
+from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_speculative, speculative_meta
-from megatron_specdec.training import checkpoints, evaluation, metrics, offline, optimizer
+from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
+                                       offline, optimizer)
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
                                               to_yaml)
@@ -68,11 +70,14 @@ def train(recipe) -> dict:
     model, hf_config, meta, tokenizer, tokenizer_dir = build_speculative(
         recipe, calibrate=resume_from is None)
     dataset = offline.training_dataset(recipe, model, tokenizer)
-    params = model.trainable_parameters()
-    opt = optimizer.build_optimizer(params, recipe.optimizer) if params else None
+    opt = optimizer.DraftOptimizer(model.trainable_parameters(), recipe.optimizer,
+                                   checkpoint.dtype_from_name(recipe.model.dtype))
+    if opt.scaler is not None:  # float16: megatron's schedules scale the loss through this hook
+        model.config.grad_scale_func = opt.scale_loss
+    base = base_fingerprint.fingerprint(model.base, meta["hf_config"], recipe.model.dtype)
     state = checkpoints.TrainerState()
     if resume_from is not None:
-        state = checkpoints.load(resume_from, model, opt)
+        state = checkpoints.load(resume_from, model, opt, base)
         log.info("resumed from %s at step %d", resume_from, state.step)
     from megatron_specdec.data import BatchIterator
 
@@ -84,7 +89,8 @@ def train(recipe) -> dict:
                             data_parallel_size=dp)
     ckpt_meta = speculative_meta(meta, model.spec_config)
     ckpt_meta = dict(ckpt_meta, training_checkpoint={"draft": ckpt_meta.pop("draft"),
-                                                     "base_model": recipe.model.path})
+                                                     "base_model": recipe.model.path,
+                                                     "base": base})
     reporter = metrics.Reporter(recipe, state.step)
     forward_backward = offline.forward_backward_func(recipe)
     total = recipe.training.steps
@@ -94,15 +100,9 @@ def train(recipe) -> dict:
     while state.step < total:
         lr = optimizer.lr_at(state.step, recipe.optimizer, total)
         step_batches = [model_batch(next(batches), recipe.data.pack) for _ in range(num_micro)]
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         reports = forward_backward(model, step_batches)
-        optimizer.average_data_parallel_grads(params)
-        grad_norm = optimizer.clip_grad_norm(params, recipe.optimizer.clip_grad)
-        if opt is not None:
-            opt.step()
+        grad_norm = opt.step(lr)
         last = metrics.step_stats(reports, metrics.num_draft_steps(model.spec_config))
         state.step += 1
         state.consumed_samples = batches.consumed_samples
