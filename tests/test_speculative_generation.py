@@ -1,5 +1,6 @@
 """Speculative generation on a small seeded random Llama (fast): identity with plain greedy
-for EAGLE3 and Medusa at TP=1, TP=2 and PP=2; an oracle drafter that proposes the known
+for EAGLE3, Medusa and n-gram drafting, fixed and adaptive draft length, at TP=1, TP=2 and
+PP=2; an oracle drafter that proposes the known
 greedy continuation with planned mistakes, so rounds accept several tokens and roll back at
 chosen places (exact accepted counts)."""
 
@@ -17,6 +18,8 @@ ALGOS = {"eagle3": {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids":
                     "ttt_steps": 4},
          "medusa": {"medusa_num_heads": 4}}
 K, NEW = 4, 40
+# The random drafts' top probabilities lie around this, so the adaptive runs draft 0..K.
+THRESHOLD = {"eagle3": 0.02, "medusa": 0.02}
 WRONG_AT = (5, 6, 13, 30)  # emitted positions the oracle gets wrong
 PROMPT = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -50,6 +53,7 @@ def expected_accepts(k, new_tokens, wrong_at):
 def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
     """Plain greedy, speculative with random drafts, and speculative with an oracle drafter;
     `tree`/`oracle_tree` are the TreeSpecs of the last two (None: chain)."""
+    from megatron_specdec.decoding.draft_policy import DraftPolicy
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.generation import greedy_generate
 
@@ -58,8 +62,13 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
     for algo in ALGOS:
         model = build(algo)
         greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
-        plain = SpeculativeGenerator(model, K, tree=tree).generate(PROMPT, NEW)
-        generator = SpeculativeGenerator(model, K, tree=oracle_tree)
+        plain = SpeculativeGenerator(model, K, tree=tree, policy="fixed").generate(PROMPT, NEW)
+        if tree is None:
+            results[f"{algo}-adaptive"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
+                model, K, policy=DraftPolicy(K, THRESHOLD[algo])).generate(PROMPT, NEW)}
+            results[f"ngram-{algo}"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
+                model, K, drafter_kind="ngram").generate(PROMPT, NEW)}
+        generator = SpeculativeGenerator(model, K, tree=oracle_tree, policy="fixed")
         if generator.drafter is not None:  # the last stage
             generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
                                               HF["vocab_size"])
@@ -73,7 +82,29 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
 def test_speculative_equals_greedy(tp, pp, tmp_path):
     out = tmp_path / "out.pt"
     distributed.spawn(identity_worker, tp * pp, tp, pp, str(out))
-    for algo, got in torch.load(out, weights_only=False).items():
+    results = torch.load(out, weights_only=False)
+    for algo, got in results.items():
         assert got["plain"].tokens == got["greedy"], algo
-        assert got["oracle"].tokens == got["greedy"], algo
-        assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
+        if "oracle" in got:
+            assert got["oracle"].tokens == got["greedy"], algo
+            assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
+            assert set(got["plain"].drafted) == {K}, algo  # fixed length
+    for algo in ALGOS:  # adaptive: the chain length varies (0 = a plain decoding step)
+        assert len(set(results[f"{algo}-adaptive"]["plain"].drafted)) > 1, \
+            results[f"{algo}-adaptive"]["plain"].drafted
+        ngram = results[f"ngram-{algo}"]["plain"]
+        assert max(ngram.drafted) > 0 and 0 in ngram.drafted, ngram.drafted  # found and not
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    from megatron_specdec.decoding.ngram_drafter import NgramDrafter
+
+    drafter = NgramDrafter(max_ngram=2)
+    drafter.start(torch.tensor([[5, 1, 2, 3, 1, 2, 4, 1]]), torch.tensor([[2]]), None, 0)
+    assert drafter.propose(3).tolist() == [[4, 1, 2]]  # "1 2" last seen before "4 1 2"
+    drafter.accept(0, torch.tensor([[7]]), None)
+    assert drafter.propose(3).shape == (1, 0)  # 7 never occurred before
+    drafter.accept(0, torch.tensor([[5]]), None)
+    assert drafter.propose(2).tolist() == [[1, 2]]  # unigram fallback
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramDrafter(min_ngram=0)

@@ -97,8 +97,14 @@ def test_acceptance_metrics_hand_made():
                                   {"category": "b", "accepted": [0]}], 4)
     assert both["overall"]["acceptance_length"] == pytest.approx(11 / 3)  # pooled, not 3.0
     assert both["categories"]["a"]["acceptance_length"] == 5.0
-    with pytest.raises(ValueError, match=r"\[0, 4\]"):
+    with pytest.raises(ValueError, match="accepted <= drafted <= 4"):
         acceptance_summary([5], 4)
+    # Adaptive drafting: a position's rate counts only the forwards that drafted it.
+    short = acceptance_summary([0, 1, 2], 3, drafted=[0, 1, 3])
+    assert short["position_acceptance"] == pytest.approx([1.0, 1 / 1, 0.0])
+    assert short["position_reached"] == [2, 1, 1] and short["mean_drafted"] == pytest.approx(4 / 3)
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        acceptance_summary([2], 3, drafted=[1])
 
 
 def test_validation_cli_writes_json_and_png(tmp_path, default_hf_dir):

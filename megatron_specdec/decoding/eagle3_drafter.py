@@ -86,18 +86,28 @@ class Eagle3Drafter:
         self._rope = self.rotary(max_length)
         self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1))
 
-    def propose(self, k: int) -> Tensor:
-        """k chained draft tokens [b, k] (target ids) after the newest real position. Leaves
-        the drafter as it found it (the chain's cache entries and states are dropped)."""
+    def propose(self, k: int, policy=None) -> Tensor:
+        """Up to k chained draft tokens [b, n] (target ids) after the newest real position;
+        a DraftPolicy with a threshold stops the chain where it is no longer confident
+        (n may be 0). Leaves the drafter as it found it (the chain's cache entries and
+        states are dropped)."""
         real = self._last
         hidden, logits = real
-        drafts = [self._argmax(logits)]
-        for _ in range(k - 1):
-            self._step(hidden, drafts[-1][:, None])
-            hidden, logits = self._last
+        drafts, chain = [], 1.0
+        for i in range(k):
+            if i:
+                self._step(hidden, drafts[-1][:, None])
+                hidden, logits = self._last
+            if policy is not None and policy.threshold is not None:
+                chain *= float(vocab_parallel_log_probs(logits, self.module.draft_vocab_size)
+                                .max().exp())
+                if not policy.keeps(chain):
+                    break
             drafts.append(self._argmax(logits))
         self._truncate(self.length)
         self._last = real
+        if not drafts:
+            return self.target_ids.new_zeros(logits.shape[1], 0)
         return torch.stack(drafts, dim=1)
 
     def propose_tree(self, depth: int, spec: TreeSpec) -> DraftTree:

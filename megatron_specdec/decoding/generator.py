@@ -1,9 +1,11 @@
 """Greedy speculative generation from a SpeculativeGPTModel at any TP/PP (batch 1).
 
 Every rank of the model-parallel group runs the same loop. Per round the last stage drafts
-k tokens, all stages run the base once over [pending, d_1..d_k], the last stage accepts with
-the fused greedy chain op and broadcasts the verdict; every stage rewinds its base cache by
-the k - a rejected positions and the drafter re-reads the base states of the a + 1 kept ones.
+up to k tokens (the DraftPolicy decides how many: draft_policy.py; none makes the round a
+plain decoding step), all stages run the base once over [pending, d_1..d_n], the last stage
+accepts with the fused greedy chain op on the base's argmax ids and broadcasts the verdict;
+every stage rewinds its base cache by the n - a rejected positions and the drafter re-reads
+the base states of the a + 1 kept ones. Drafters: EAGLE3, Medusa, or prompt lookup (n-gram).
 The emitted sequence is the base's own greedy continuation, so it matches
 generation.greedy_generate token for token (up to float ties between a k+1-token and a
 1-token forward).
@@ -26,6 +28,7 @@ import torch
 
 from megatron_specdec.acceptance import greedy_chain_verify, tree_verify
 from megatron_specdec.decoding.base_runner import BaseRunner
+from megatron_specdec.decoding.draft_policy import DraftPolicy
 from megatron_specdec.decoding.tree import TreeSpec, verify_layout
 
 
@@ -34,6 +37,7 @@ class GenerationResult:
     tokens: List[int]
     accepted: List[int] = field(default_factory=list)  # accepted drafts per verify forward
     num_draft_tokens: int = 0  # chain length, or tree depth
+    drafted: List[int] = field(default_factory=list)  # drafts per verify forward
 
 
 def default_num_draft_tokens(model) -> int:
@@ -41,11 +45,25 @@ def default_num_draft_tokens(model) -> int:
     return cfg.ttt_steps if model.algo == "eagle3" else cfg.medusa_num_heads
 
 
-def build_drafter(model):
-    """This stage's drafter (None before the last stage). Collective over the pipeline."""
+DRAFTERS = ("eagle3", "medusa", "ngram")
+
+
+def build_drafter(model, kind: str = None):
+    """This stage's drafter of `kind` (default: the model's own draft module; None before the
+    last stage). Collective over the pipeline."""
     from megatron.core import parallel_state as ps
 
-    if model.algo == "medusa":
+    kind = kind or model.algo
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter {kind!r}; expected one of {DRAFTERS}")
+    if kind != "ngram" and kind != model.algo:
+        raise ValueError(f"drafter {kind!r} needs a model with an {kind} draft module, "
+                         f"this one has {model.algo}")
+    if kind == "ngram":
+        from megatron_specdec.decoding.ngram_drafter import NgramDrafter
+
+        return NgramDrafter() if ps.is_pipeline_last_stage() else None
+    if kind == "medusa":
         if not ps.is_pipeline_last_stage():
             return None
         from megatron_specdec.decoding.medusa_drafter import MedusaDrafter
@@ -64,21 +82,26 @@ def draft_vocab_size(model) -> int:
 
 class SpeculativeGenerator:
     """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`.
-    `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain."""
+    `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain.
+    `policy`: "adaptive" (draft while confident, default) or "fixed" (always k), or a
+    DraftPolicy. `drafter_kind`: eagle3, medusa or ngram (default: the model's module)."""
 
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
-                 tree: TreeSpec = None):
+                 tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None):
         self.model = model
         self.k = num_draft_tokens or default_num_draft_tokens(model)
-        if model.algo == "medusa" and self.k > model.spec_config.medusa_num_heads:
+        if (drafter_kind or model.algo) == "medusa" and \
+                self.k > model.spec_config.medusa_num_heads:
             raise ValueError(f"num_draft_tokens {self.k} exceeds the "
                              f"{model.spec_config.medusa_num_heads} Medusa heads")
-        if self.k < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.k}")
+        self.policy = policy if isinstance(policy, DraftPolicy) else \
+            DraftPolicy.named(policy, self.k)
         if tree is not None:
+            if drafter_kind == "ngram":
+                raise ValueError("the n-gram drafter drafts chains, not trees")
             tree.check(self.k, draft_vocab_size(model))
         self.tree = tree
-        self.drafter = drafter if drafter is not None else build_drafter(model)
+        self.drafter = drafter if drafter is not None else build_drafter(model, drafter_kind)
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, eos_ids=()) -> GenerationResult:
@@ -115,8 +138,9 @@ class SpeculativeGenerator:
             return result
         verify = self._verify_chain if self.tree is None else self._verify_tree
         while True:
-            accepted, new, out = verify(runner, pending)
+            accepted, drafted, new, out = verify(runner, pending)
             result.accepted.append(accepted)
+            result.drafted.append(drafted)
             if any(emit(int(t)) for t in new[0]):
                 return result
             if runner.last:
@@ -124,22 +148,28 @@ class SpeculativeGenerator:
             pending = new[:, -1:]
 
     def _verify_chain(self, runner, pending):
-        """One round: draft k, verify, rewind the rejected. Returns (accepted count, emitted
-        tokens [1, a + 1], base states of the kept positions in rows 0..a (last stage))."""
+        """One round: draft up to k, verify, rewind the rejected. Returns (accepted count,
+        drafted count, emitted tokens [1, a + 1], base states of the kept positions in rows
+        0..a (last stage))."""
         k = self.k
-        drafts = torch.zeros(1, k, dtype=torch.long, device=pending.device)
-        if runner.last:
-            drafts = self.drafter.propose(k)
-        runner.broadcast_from_last(drafts)
+        proposal = torch.zeros(1, k + 1, dtype=torch.long, device=pending.device)
+        if runner.last:  # the drafts, then their count: one broadcast
+            drafts = self.drafter.propose(k, self.policy)
+            proposal[:, : drafts.shape[1]] = drafts
+            proposal[0, k] = drafts.shape[1]
+        runner.broadcast_from_last(proposal)
+        n = int(proposal[0, k])
+        drafts = proposal[:, :n]
         out = runner.step(torch.cat([pending, drafts], dim=1))
         verdict = torch.zeros(1, k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            tokens, counts = greedy_chain_verify(drafts, out.logits)
-            verdict = torch.cat([tokens, counts[:, None]], dim=1)
+            tokens, counts = greedy_chain_verify(drafts, out.logits.argmax(-1))
+            verdict[:, : n + 1] = tokens
+            verdict[0, -1] = counts[0]
         runner.broadcast_from_last(verdict)
         accepted = int(verdict[0, -1])
-        runner.rewind(k - accepted)
-        return accepted, verdict[:, : accepted + 1], out
+        runner.rewind(n - accepted)
+        return accepted, n, verdict[:, : accepted + 1], out
 
     def _verify_tree(self, runner, pending):
         """The same round over a draft tree; the accepted path's cache entries are compacted."""
@@ -162,4 +192,4 @@ class SpeculativeGenerator:
         path = verdict[0, k + 1: k + 1 + accepted]
         runner.compact(start + 1, start + 1 + path)
         kept = torch.cat([path.new_zeros(1), path + 1])
-        return accepted, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None
+        return accepted, k, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None

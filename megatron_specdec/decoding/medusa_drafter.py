@@ -28,8 +28,21 @@ class MedusaDrafter:
     def start(self, prompt: Tensor, pending: Tensor, out, max_length: int):
         self._hidden = out.hidden[-1:]
 
-    def propose(self, k: int) -> Tensor:
+    def propose(self, k: int, policy=None) -> Tensor:
+        """Up to k tokens [b, n], head i's top token at position i; a DraftPolicy with a
+        threshold keeps the heads while the product of their top probabilities stays above it."""
         logits = self.heads(self._hidden)[:k]
+        if policy is not None and policy.threshold is not None:
+            chain, kept = 1.0, 0
+            for head in logits:
+                chain *= float(vocab_parallel_log_probs(head, self.vocab_size).max().exp())
+                if not policy.keeps(chain):
+                    break
+                kept += 1
+            logits = logits[:kept]
+        if not logits:
+            return torch.zeros(self._hidden.shape[1], 0, dtype=torch.long,
+                               device=self._hidden.device)
         return torch.stack([vocab_parallel_argmax(l[0], self.heads.vocab_offset) for l in logits],
                            dim=1)
 

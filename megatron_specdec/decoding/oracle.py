@@ -37,7 +37,7 @@ class OracleDrafter:
             ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
         return ids
 
-    def propose(self, k):
+    def propose(self, k, policy=None):
         own = self.inner.propose(k)
         return torch.tensor([self._answer(k)], dtype=own.dtype, device=own.device)
 

@@ -3,7 +3,8 @@
     python -m megatron_specdec.decoding.validate --model CKPT \\
         --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
-        [--tree-top-k 4 [--tree-max-nodes 32]]
+        [--tree-top-k 4 [--tree-max-nodes 32]] [--drafter eagle3|medusa|ngram]
+        [--draft-policy adaptive|fixed]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
@@ -78,9 +79,11 @@ def _resolve(model_or_ckpt, tokenizer):
 
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
-                        compare_greedy=True, progress=True, tree=None):
+                        compare_greedy=True, progress=True, tree=None, drafter=None,
+                        policy="adaptive"):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
-    `tree`: a TreeSpec to draft trees instead of chains.
+    `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa or ngram
+    (default: the model's own draft module); `policy`: adaptive or fixed draft length.
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -97,14 +100,15 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
-    generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree)
+    generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree, policy=policy,
+                                     drafter_kind=drafter)
     records, spec_time, greedy_time, identical = [], 0.0, 0.0, 0
     for category, ids in tqdm(prompts, desc="acceptance", disable=not (progress and is_rank0())):
         start = time.perf_counter()
         result = generator.generate(ids, max_new_tokens, eos)
         spec_time += time.perf_counter() - start
         record = {"category": category, "accepted": result.accepted,
-                  "new_tokens": len(result.tokens)}
+                  "drafted": result.drafted, "new_tokens": len(result.tokens)}
         if compare_greedy:
             start = time.perf_counter()
             greedy = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos)[0]
@@ -113,7 +117,8 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
         records.append(record)
     tokens = sum(r["new_tokens"] for r in records)
     report = {
-        "algo": model.algo,
+        "algo": drafter or model.algo,
+        "draft_policy": policy if tree is None else "tree",
         "num_draft_tokens": generator.k,
         "tree": None if tree is None else {"top_k": tree.top_k, "max_nodes": tree.max_nodes,
                                            "nodes": tree.num_nodes(generator.k)},
@@ -186,10 +191,22 @@ def parse_args(argv=None):
                    help="draft a tree with this branching (EAGLE-2 style) instead of a chain")
     p.add_argument("--tree-max-nodes", type=int, default=None,
                    help="keep this many tree nodes of highest draft probability (default: all)")
+    add_drafting_args(p)
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     return p.parse_args(argv)
+
+
+def add_drafting_args(p):
+    """--drafter and --draft-policy, shared with bench/bench_generation.py."""
+    from megatron_specdec.decoding.draft_policy import POLICIES
+    from megatron_specdec.decoding.generator import DRAFTERS
+
+    p.add_argument("--drafter", choices=DRAFTERS, default=None,
+                   help="who drafts (default: the checkpoint's draft module; ngram needs none)")
+    p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
+                   help="adaptive: draft while the draft is confident (default); fixed: always k")
 
 
 def tree_spec(args):
@@ -211,7 +228,8 @@ def _worker(args):
     report = evaluate_acceptance(args.model, args.data, max_new_tokens=args.max_new_tokens,
                                  num_draft_tokens=args.num_draft_tokens,
                                  num_prompts=args.num_prompts, out_dir=args.out_dir,
-                                 compare_greedy=not args.no_greedy, tree=tree_spec(args))
+                                 compare_greedy=not args.no_greedy, tree=tree_spec(args),
+                                 drafter=args.drafter, policy=args.draft_policy)
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))

@@ -15,17 +15,18 @@ import torch
 from torch import Tensor
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_specdec.layers.small_rows_linear import SmallRowsColumnParallelLinear
+
 KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
 
 
-class Eagle3QKVLinear(ColumnParallelLinear):
+class Eagle3QKVLinear(SmallRowsColumnParallelLinear):
     """q/k/v projection of the first draft layer: its input is the 2h concatenation of the
     normalised embedding and normalised hidden state (SelfAttention asks for h)."""
 

@@ -14,12 +14,12 @@ import torch
 from torch import Tensor
 
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_specdec.layers.sharded import ShardedModuleList
+from megatron_specdec.layers.small_rows_linear import SmallRowsColumnParallelLinear
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Eagle3Module(MegatronModule):
         self.final_layernorm = build_module(
             submodules.final_layernorm, config=config, hidden_size=h, eps=config.layernorm_epsilon
         )
-        self.lm_head = ColumnParallelLinear(
+        self.lm_head = SmallRowsColumnParallelLinear(
             h, padded_draft_vocab_size, config=config, init_method=config.init_method,
             bias=False, gather_output=False,
         )

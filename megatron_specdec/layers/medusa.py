@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_specdec.layers.sharded import ShardedModuleList
+from megatron_specdec.layers.small_rows_linear import SmallRowsColumnParallelLinear
 
 
 
@@ -27,7 +27,7 @@ class MedusaResBlock(MegatronModule):
         super().__init__(config=config)
         h = config.hidden_size
         # Medusa starts each block as the identity map: W = 0 (the bias starts at 0 too).
-        self.linear = ColumnParallelLinear(
+        self.linear = SmallRowsColumnParallelLinear(
             h, h, config=config, init_method=torch.nn.init.zeros_, bias=True, gather_output=True,
         )
 
@@ -40,7 +40,7 @@ class MedusaHead(MegatronModule):
     def __init__(self, config, num_layers: int, padded_vocab_size: int):
         super().__init__(config=config)
         self.blocks = ShardedModuleList(MedusaResBlock(config) for _ in range(num_layers))
-        self.lm_head = ColumnParallelLinear(
+        self.lm_head = SmallRowsColumnParallelLinear(
             config.hidden_size, padded_vocab_size, config=config,
             init_method=config.init_method, bias=False, gather_output=False,
         )

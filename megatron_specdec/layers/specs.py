@@ -1,15 +1,16 @@
 """ModuleSpecs of the draft modules, from megatron-core's local (pure PyTorch) backend.
 
 The draft uses megatron-core's own ColumnParallelLinear / RowParallelLinear /
-DotProductAttention on every machine, so its parameter layout does not depend on whether
-Transformer Engine is installed (the base model may use either).
+DotProductAttention on every machine (their small-row and SDPA inference forms, see
+small_rows_linear.py and decode_attention.py), so its parameter layout does not depend on
+whether Transformer Engine is installed (the base model may use either).
 """
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_specdec.layers.eagle3_layer import (
@@ -19,7 +20,12 @@ from megatron_specdec.layers.eagle3_layer import (
     Eagle3QKVLinear,
 )
 from megatron_specdec.layers.eagle3_module import Eagle3Module, Eagle3ModuleSubmodules
+from megatron_specdec.layers.decode_attention import SDPAttention
 from megatron_specdec.layers.medusa import MedusaHeads
+from megatron_specdec.layers.small_rows_linear import (
+    SmallRowsColumnParallelLinear,
+    SmallRowsRowParallelLinear,
+)
 
 
 def eagle3_layer_spec(first: bool, use_input_layernorm: bool = True,
@@ -31,9 +37,9 @@ def eagle3_layer_spec(first: bool, use_input_layernorm: bool = True,
         module=Eagle3Attention,
         params={"attn_mask_type": AttnMaskType.arbitrary},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=Eagle3QKVLinear if first else backend.column_parallel_linear(),
-            core_attention=backend.core_attention(),
-            linear_proj=backend.row_parallel_linear(),
+            linear_qkv=Eagle3QKVLinear if first else SmallRowsColumnParallelLinear,
+            core_attention=SDPAttention,
+            linear_proj=SmallRowsRowParallelLinear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
         ),
@@ -46,7 +52,8 @@ def eagle3_layer_spec(first: bool, use_input_layernorm: bool = True,
             hidden_norm=norm if first else IdentityOp,
             self_attention=attention,
             pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec_for_backend(backend),
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=SmallRowsColumnParallelLinear, linear_fc2=SmallRowsRowParallelLinear)),
         ),
     )
 

@@ -1,0 +1,38 @@
+"""How many tokens to draft in a round.
+
+A round costs one verify forward (a little more than a plain step for each extra row) plus
+one draft step per drafted token, and pays only for the drafts the base accepts. With a
+confidence threshold the drafter stops as soon as the chance that the whole chain so far is
+accepted, estimated by the product of the draft's own top-token probabilities (EAGLE-2's
+proxy), falls below it; when even the first token is below it the round drafts nothing and
+is a plain decoding step. Drafters without probabilities (n-gram) draft whatever they find.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+POLICIES = ("adaptive", "fixed")
+DEFAULT_THRESHOLD = 0.3
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    max_tokens: int
+    threshold: Optional[float] = DEFAULT_THRESHOLD  # None: always draft max_tokens
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.max_tokens}")
+        if self.threshold is not None and not 0 <= self.threshold < 1:
+            raise ValueError(f"draft threshold must lie in [0, 1), got {self.threshold}")
+
+    def keeps(self, chain_prob: float) -> bool:
+        """Whether a draft token whose chain (it and the drafts before it) is accepted with
+        probability `chain_prob` is worth drafting and verifying."""
+        return self.threshold is None or chain_prob >= self.threshold
+
+    @classmethod
+    def named(cls, name: str, max_tokens: int, threshold: float = DEFAULT_THRESHOLD):
+        if name not in POLICIES:
+            raise ValueError(f"draft policy {name!r}; expected one of {POLICIES}")
+        return cls(max_tokens, threshold if name == "adaptive" else None)
