@@ -1,22 +1,28 @@
-"""Speculative vs plain greedy generation in the same runtime, on MT-bench prompts.
+"""Generation speed against what a user would run instead, side by side in one process.
 
-For each prompt (first turn, chat template; batch 1) the same base generates up to
---max-new-tokens greedily, once speculatively (draft k, verify in one base forward, fused
-greedy acceptance) and once plainly (generation.greedy_generate). Reports tokens/s of both,
-the speedup, the acceptance length (tokens per verify forward, bonus included) and the
-acceptance rate per draft position, and checks the two outputs are identical.
+For each MT-bench prompt (first turn, chat template; batch 1, greedy) every method below
+generates up to --max-new-tokens, prompt by prompt in turn, so drift in the machine's speed
+hits all of them alike:
 
-    python bench/bench_generation.py --data ../shared/data/mt_bench.jsonl [--num-prompts 8]
-        [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
-        [--tree-top-k T [--tree-max-nodes N]]
+- transformers `generate` greedy, and with prompt lookup (`prompt_lookup_num_tokens=10`),
+  on the same SmolLM2 weights (the outside anchors);
+- the project's plain greedy (`generation.greedy_generate`);
+- the project's speculative generation: the draft module with a fixed chain of k and with the
+  adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting.
+
+Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
+(tokens per base forward), how many outputs equal the project's greedy output, where a
+speculative run's time goes (drafting, base forwards, the rest), and acceptance length per
+category. Table on stdout, JSON in bench/results/generation.json (plot beside it).
+
+    python bench/bench_generation.py --data ../shared/data/mt_bench.jsonl [--num-prompts 16]
+        [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
+        [--tree-top-k T [--tree-max-nodes N]] [--every N]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
-`convert` gives before training): it accepts almost nothing, so this measures the overhead
-of drafting and verifying, not the speedup a trained draft brings. A second pass feeds the
-same loop drafts taken from the greedy output (an oracle at the same drafting cost): the
-ceiling of the machinery in this runtime. With --tree-top-k both passes draft trees of depth
-K (the oracle puts the greedy tokens on one late branch). Table on stdout, JSON in
-bench/results/generation.json (the plot next to it).
+`convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
+cost of drafting and verifying, and the adaptive run whether the policy falls back to plain
+decoding when drafts do not pay.
 """
 
 import argparse
@@ -34,7 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
 
 
 def build(args):
-    """(speculative model, tokenizer directory, description) at TP=PP=1."""
+    """(speculative model, HF model directory of the same base, description) at TP=PP=1."""
     from megatron_specdec import checkpoint, convert
     from megatron_specdec.default_model import default_model_dir
     from megatron_specdec.hf_conversion import model_from_hf
@@ -50,99 +56,174 @@ def build(args):
     return model, hf_dir, f"SmolLM2-135M-Instruct + random {args.algo} draft (untrained)"
 
 
-def oracle_run(model, prompts, eos, max_new_tokens, k, tree=None):
-    """The same loop with drafts taken from the base's greedy output (decoding/oracle.py):
-    the ceiling of the draft-verify machinery at this draft's cost, not a draft's quality."""
+def hf_runner(hf_model, eos, max_new_tokens, **kwargs):
+    """tokens of transformers `generate` (greedy, or with the given assistant settings)."""
+    def run(ids):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=list(eos), pad_token_id=0,
+                                    **kwargs)
+        tokens = out[0, len(ids):].tolist()
+        while tokens and tokens[-1] in eos:  # the project's results exclude the stop token
+            tokens.pop()
+        return tokens, None
+    return run
+
+
+def methods(args, model, hf_dir, eos, tree):
+    """name -> run(prompt ids) -> (tokens, GenerationResult or None)."""
+    from transformers import AutoModelForCausalLM
+
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.metrics import acceptance_summary
-    from megatron_specdec.decoding.oracle import OracleDrafter
     from megatron_specdec.generation import greedy_generate
 
-    generator = SpeculativeGenerator(model, k, tree=tree)
-    inner = generator.drafter
-    tokens, seconds, accepted, identical = 0, 0.0, [], 0
-    for _, ids in prompts:
-        greedy = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos)[0]
-        generator.drafter = OracleDrafter(inner, greedy, vocab_size=model.vocab_size)
-        start = time.perf_counter()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    n = args.max_new_tokens
+    runs = {
+        "transformers greedy": hf_runner(hf_model, eos, n),
+        "transformers prompt lookup": hf_runner(hf_model, eos, n, prompt_lookup_num_tokens=10),
+        "project greedy": lambda ids: (
+            greedy_generate(model.base, [ids], n, model.vocab_size, eos)[0], None),
+    }
+    drafts = {f"{model.algo} fixed k": SpeculativeGenerator(model, args.num_draft_tokens,
+                                                            policy="fixed"),
+              f"{model.algo} adaptive": SpeculativeGenerator(model, args.num_draft_tokens),
+              "ngram": SpeculativeGenerator(model, args.num_draft_tokens, drafter_kind="ngram")}
+    if tree is not None:
+        drafts[f"{model.algo} tree"] = SpeculativeGenerator(model, args.num_draft_tokens,
+                                                            tree=tree)
+    for name, generator in drafts.items():
+        runs[name] = spec_runner(generator, n, eos)
+    return runs
+
+
+def spec_runner(generator, max_new_tokens, eos):
+    def run(ids):
         result = generator.generate(ids, max_new_tokens, eos)
-        seconds += time.perf_counter() - start
-        tokens += len(result.tokens)
-        accepted += result.accepted
-        identical += result.tokens == greedy
-    return {"tokens_per_s": tokens / seconds,
-            "acceptance_length": acceptance_summary(accepted, generator.k)["acceptance_length"],
-            "identical_to_greedy": f"{identical}/{len(prompts)}"}
+        return result.tokens, result
+    return run
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True,
                    help="MT-bench jsonl (e.g. ../shared/data/mt_bench.jsonl)")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--every", type=int, default=5,
+                   help="take every N-th question (5 over MT-bench's 80: 2 per category)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--model", default=None, help="speculative checkpoint (default: random draft)")
     p.add_argument("--algo", choices=("eagle3", "medusa"), default="eagle3")
     p.add_argument("--tree-top-k", type=int, default=None,
-                   help="draft a tree with this branching instead of a chain")
+                   help="also draft a tree with this branching")
     p.add_argument("--tree-max-nodes", type=int, default=None)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
 
-    from megatron_specdec.decoding.validate import evaluate_acceptance, tree_spec
+    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
+    from megatron_specdec.decoding.metrics import acceptance_summary
+    from megatron_specdec.decoding.validate import read_prompts, tree_spec
 
     tree = tree_spec(args)
     distributed.initialize(1, 1)
     model, tokenizer_dir, what = build(args)
-    load_before = os.getloadavg()[0]
-    out = Path(args.out)
-    report = evaluate_acceptance(model, args.data, tokenizer_dir,
-                                 max_new_tokens=args.max_new_tokens,
-                                 num_draft_tokens=args.num_draft_tokens,
-                                 num_prompts=args.num_prompts, out_dir=None, tree=tree)
-    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
-    from megatron_specdec.decoding.validate import read_prompts
-
+    model.eval()
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    oracle = oracle_run(model, read_prompts(args.data, tokenizer, args.num_prompts),
-                        end_of_turn_ids(tokenizer), args.max_new_tokens,
-                        report["num_draft_tokens"], tree)
-    overall = report["overall"]
+    eos = set(end_of_turn_ids(tokenizer))
+    prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
+    runs = methods(args, model, tokenizer_dir, eos, tree)
+    load_before = os.getloadavg()[0]
+    stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": []} for name in runs}
+    for number, (_, ids) in enumerate(prompts, 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens, result = run(ids)
+            stats[name]["seconds"] += time.perf_counter() - start
+            stats[name]["tokens"] += len(tokens)
+            stats[name]["outputs"].append(tokens)
+            stats[name]["results"].append(result)
+        print(f"prompt {number}/{len(prompts)} done", flush=True)
+
+    base = stats["project greedy"]
+    hf_rate = stats["transformers greedy"]["tokens"] / stats["transformers greedy"]["seconds"]
+    own_rate = base["tokens"] / base["seconds"]
+    report = {}
+    for name, s in stats.items():
+        rate = s["tokens"] / s["seconds"]
+        row = {"tokens_per_s": rate, "vs_transformers_greedy": rate / hf_rate,
+               "vs_project_greedy": rate / own_rate,
+               "identical_to_project_greedy": sum(
+                   a == b for a, b in zip(s["outputs"], base["outputs"]))}
+        results = [r for r in s["results"] if r is not None]
+        if results:
+            k = results[0].num_draft_tokens
+            accepted = [a for r in results for a in r.accepted]
+            drafted = [d for r in results for d in r.drafted]
+            summary = acceptance_summary(accepted, k, drafted)
+            seconds = {part: sum(r.seconds[part] for r in results)
+                       for part in ("draft", "base", "total")}
+            row.update(acceptance_length=summary["acceptance_length"],
+                       mean_drafted=summary["mean_drafted"],
+                       time_share={"draft": seconds["draft"] / seconds["total"],
+                                   "base_forwards": seconds["base"] / seconds["total"],
+                                   "rest": 1 - (seconds["draft"] + seconds["base"])
+                                   / seconds["total"]},
+                       categories={c: acceptance_summary(
+                           [a for (cc, _), r in zip(prompts, s["results"]) if cc == c
+                            for a in r.accepted], k,
+                           [d for (cc, _), r in zip(prompts, s["results"]) if cc == c
+                            for d in r.drafted])["acceptance_length"]
+                           for c in sorted({c for c, _ in prompts})})
+        report[name] = row
     result = {
         "model": what,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-        "layout": "TP=1 PP=1, batch 1, float32",
-        "load_average_1min": [load_before, os.getloadavg()[0]],  # other work on the machine
-        **{k: report[k] for k in ("algo", "num_draft_tokens", "tree", "max_new_tokens",
-                                  "num_prompts",
-                                  "prompts", "new_tokens", "speculative_tokens_per_s",
-                                  "greedy_tokens_per_s", "speedup", "identical_to_greedy")},
-        "acceptance_length": overall["acceptance_length"],
-        "position_acceptance": overall["position_acceptance"],
-        "categories": {c: s["acceptance_length"] for c, s in report["categories"].items()},
-        "oracle_draft": oracle,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+                   f"{os.cpu_count()} cpus",
+        "layout": "TP=1 PP=1, batch 1, float32, greedy",
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "prompts": f"{args.data}: every {args.every}th first turn, {len(prompts)} prompts",
+        "max_new_tokens": args.max_new_tokens,
+        "methods": report,
     }
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    from megatron_specdec.decoding.validate import plot_acceptance
-
-    plot_acceptance(report, out.with_suffix(".png"))
-    print(f"\n{what}; {report['num_prompts']} MT-bench prompts, up to "
-          f"{args.max_new_tokens} new tokens, k={report['num_draft_tokens']}"
-          + ("" if tree is None else f", tree {report['tree']}"))
-    print(f"{'':24}{'tokens/s':>10}")
-    print(f"{'plain greedy':24}{report['greedy_tokens_per_s']:>10.2f}")
-    print(f"{'speculative greedy':24}{report['speculative_tokens_per_s']:>10.2f}"
-          f"   acceptance length {overall['acceptance_length']:.3f}")
-    print(f"{'  same, oracle drafts':24}{oracle['tokens_per_s']:>10.2f}"
-          f"   acceptance length {oracle['acceptance_length']:.3f}")
-    print(f"speedup {report['speedup']:.2f}x (oracle drafts "
-          f"{oracle['tokens_per_s'] / report['greedy_tokens_per_s']:.2f}x), identical outputs "
-          f"{report['identical_to_greedy']} (oracle {oracle['identical_to_greedy']})")
-    print("acceptance per position: "
-          + " ".join("-" if r is None else f"{r:.2f}" for r in overall["position_acceptance"]))
+    plot(report, out.with_suffix(".png"), what)
+    print(f"\n{what}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
+          f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'method':30}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'AL':>6}{'drafted':>8}"
+          f"{'same':>6}  time: draft/base/rest")
+    for name, row in report.items():
+        line = (f"{name:30}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
+                f"{row['vs_project_greedy']:>8.2f}")
+        if "acceptance_length" in row:
+            share = row["time_share"]
+            line += (f"{row['acceptance_length']:>6.2f}{row['mean_drafted']:>8.2f}"
+                     f"{row['identical_to_project_greedy']:>4}/{len(prompts)}"
+                     f"  {share['draft']:.2f}/{share['base_forwards']:.2f}/{share['rest']:.2f}")
+        else:
+            line += f"{'':>14}{row['identical_to_project_greedy']:>4}/{len(prompts)}"
+        print(line)
     print(f"wrote {out}")
+
+
+def plot(report, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(names, [report[n]["vs_transformers_greedy"] for n in names], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlabel("tokens/s relative to transformers greedy (same process, same prompts)")
+    ax.set_title(title, fontsize=9)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,20 @@ class BaseOutput:
     aux: Optional[Tensor]
     hidden: Optional[Tensor]
 
-    def rows(self, index: Tensor) -> "BaseOutput":
-        """The states of the positions `index` (a verified tree's root and accepted path)."""
+    def rows(self, index) -> "BaseOutput":
+        """The states of the positions `index` (a tensor or slice: the kept positions)."""
         return BaseOutput(self.logits[:, index],
                           None if self.aux is None else self.aux[index],
                           None if self.hidden is None else self.hidden[index])
+
+    @staticmethod
+    def cat(outputs) -> "BaseOutput":
+        """The positions of several outputs, in order."""
+        first = outputs[0]
+        return BaseOutput(torch.cat([o.logits for o in outputs], dim=1),
+                          None if first.aux is None else torch.cat([o.aux for o in outputs]),
+                          None if first.hidden is None else
+                          torch.cat([o.hidden for o in outputs]))
 
 
 class BaseRunner:

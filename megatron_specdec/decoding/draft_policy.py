@@ -6,6 +6,12 @@ confidence threshold the drafter stops as soon as the chance that the whole chai
 accepted, estimated by the product of the draft's own top-token probabilities (EAGLE-2's
 proxy), falls below it; when even the first token is below it the round drafts nothing and
 is a plain decoding step. Drafters without probabilities (n-gram) draft whatever they find.
+
+Drafting nothing still costs the draft model's reading of each new base state. So after a
+round that drafted nothing the drafter sits out `backoff` rounds (1, 2, 4, ... up to
+`max_backoff`, reset by a round that drafts) and then reads the skipped states in one
+forward: a draft that never pays costs little more than plain decoding, and one that is
+confident in stretches is back within a few tokens.
 """
 
 from dataclasses import dataclass
@@ -19,12 +25,20 @@ DEFAULT_THRESHOLD = 0.3
 class DraftPolicy:
     max_tokens: int
     threshold: Optional[float] = DEFAULT_THRESHOLD  # None: always draft max_tokens
+    max_backoff: int = 8
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.max_tokens}")
         if self.threshold is not None and not 0 <= self.threshold < 1:
             raise ValueError(f"draft threshold must lie in [0, 1), got {self.threshold}")
+
+    def next_backoff(self, backoff: int, drafted: int) -> int:
+        """Rounds to sit out after a round that drafted `drafted` tokens following a backoff
+        of `backoff` rounds."""
+        if self.threshold is None or drafted:
+            return 0
+        return min(self.max_backoff, 2 * backoff or 1)
 
     def keeps(self, chain_prob: float) -> bool:
         """Whether a draft token whose chain (it and the drafts before it) is accepted with

@@ -53,11 +53,12 @@ class Eagle3Drafter:
                 values = torch.cat([v for _, v in blocks])[:n]
                 blocks[:] = [(keys, values)]
 
-    def _forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor):
+    def _forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor,
+                 last_only: bool = False):
         """Append s cache entries: hidden [s, b, h], next_tokens [b, s], RoPE positions [s],
-        mask [1, 1, s, cached + s]. Returns (hidden out, logits) [s, b, ...]."""
+        mask [1, 1, s, cached + s]. Returns (hidden out, logits) [s (or 1: last_only), b, ...]."""
         embeds = self.embedding(input_ids=next_tokens, position_ids=None)
-        return self.module.step(embeds, hidden, self._rope[positions], mask, self.kv)
+        return self.module.step(embeds, hidden, self._rope[positions], mask, self.kv, last_only)
 
     def _step(self, hidden: Tensor, next_tokens: Tensor):
         """Append positions [cached, cached + s): hidden [s, b, h], next_tokens [b, s]."""
@@ -66,8 +67,8 @@ class Eagle3Drafter:
         q = torch.arange(start, start + s, device=hidden.device)
         keys = torch.arange(start + s, device=hidden.device)[None, :]
         mask = (keys > q[:, None])[None, None]
-        hidden, logits = self._forward(hidden, next_tokens, q, mask)
-        self._last = (hidden[-1:], logits[-1:])
+        hidden, logits = self._forward(hidden, next_tokens, q, mask, last_only=True)
+        self._last = (hidden[-1:], logits)
 
     def _argmax(self, logits: Tensor) -> Tensor:
         """Target ids [b] of the draft's top token (logits [1, b, Dp/TP], vocab-parallel)."""

@@ -22,12 +22,14 @@ one offset (RoPE position = slot), so ragged acceptance would need per-row posit
 """
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
+
+import time
 
 import torch
 
 from megatron_specdec.acceptance import greedy_chain_verify, tree_verify
-from megatron_specdec.decoding.base_runner import BaseRunner
+from megatron_specdec.decoding.base_runner import BaseOutput, BaseRunner
 from megatron_specdec.decoding.draft_policy import DraftPolicy
 from megatron_specdec.decoding.tree import TreeSpec, verify_layout
 
@@ -38,6 +40,10 @@ class GenerationResult:
     accepted: List[int] = field(default_factory=list)  # accepted drafts per verify forward
     num_draft_tokens: int = 0  # chain length, or tree depth
     drafted: List[int] = field(default_factory=list)  # drafts per verify forward
+    # Wall seconds in drafting (propose, and the drafter reading accepted states), in base
+    # forwards (prefill and verify), and in all (the rest is acceptance and bookkeeping).
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"draft": 0.0, "base": 0.0, "total": 0.0})
 
 
 def default_num_draft_tokens(model) -> int:
@@ -111,10 +117,12 @@ class SpeculativeGenerator:
 
         if len(prompt_ids) == 0:
             raise ValueError("the prompt needs at least one token")
+        started = time.perf_counter()
         k, drafter = self.k, self.drafter
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device())
         eos = set(int(e) for e in eos_ids)
-        result = GenerationResult([], [], k)
+        result = self._result = GenerationResult([], [], k)
+        clock = self._clock
 
         def emit(token: int) -> bool:
             """Append token; True when generation is over."""
@@ -123,44 +131,73 @@ class SpeculativeGenerator:
             result.tokens.append(token)
             return len(result.tokens) >= max_new_tokens
 
-        if max_new_tokens <= 0:
+        def done() -> GenerationResult:
+            result.seconds["total"] = time.perf_counter() - started
             return result
+
+        if max_new_tokens <= 0:
+            return done()
         width = k if self.tree is None else self.tree.num_nodes(k)
         max_length = prompt.shape[1] + max_new_tokens + width + 1
         runner = BaseRunner(self.model, 1, max_length)
-        out = runner.step(prompt)
+        out = clock("base", runner.step, prompt)
         pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
         if runner.last:
             pending[:, 0] = out.logits[:, -1].argmax(-1)
-            drafter.start(prompt, pending, out, max_length)
+            clock("draft", drafter.start, prompt, pending, out, max_length)
         runner.broadcast_from_last(pending)
         if emit(int(pending)):
-            return result
+            return done()
         verify = self._verify_chain if self.tree is None else self._verify_tree
+        self._unread, self._skip, self._backoff = [], 0, 0
         while True:
             accepted, drafted, new, out = verify(runner, pending)
             result.accepted.append(accepted)
             result.drafted.append(drafted)
             if any(emit(int(t)) for t in new[0]):
-                return result
+                return done()
             if runner.last:
-                drafter.accept(accepted, new, out)
+                self._unread.append((new, out))
             pending = new[:, -1:]
+
+    def _draft(self, k: int):
+        """The last stage's drafts [1, n] for this round: none while sitting out a backoff
+        (draft_policy.py); otherwise the drafter first reads the base states it has not seen."""
+        if self._skip:
+            self._skip -= 1
+            return torch.zeros(1, 0, dtype=torch.long, device=self._unread[0][0].device)
+        if self._unread:
+            tokens = torch.cat([t for t, _ in self._unread], dim=1)
+            states = BaseOutput.cat([o for _, o in self._unread])
+            self._clock("draft", self.drafter.accept, tokens.shape[1] - 1, tokens, states)
+            self._unread = []
+        drafts = self._clock("draft", self.drafter.propose, k, self.policy)
+        if not getattr(self.drafter, "free_to_probe", False):
+            self._backoff = self._skip = self.policy.next_backoff(self._backoff,
+                                                                  drafts.shape[1])
+        return drafts
+
+    def _clock(self, part: str, fn, *args):
+        """fn(*args), its wall time added to the current result's `seconds[part]`."""
+        start = time.perf_counter()
+        value = fn(*args)
+        self._result.seconds[part] += time.perf_counter() - start
+        return value
 
     def _verify_chain(self, runner, pending):
         """One round: draft up to k, verify, rewind the rejected. Returns (accepted count,
-        drafted count, emitted tokens [1, a + 1], base states of the kept positions in rows
-        0..a (last stage))."""
+        drafted count, emitted tokens [1, a + 1], base states of the a + 1 kept positions
+        (last stage))."""
         k = self.k
         proposal = torch.zeros(1, k + 1, dtype=torch.long, device=pending.device)
         if runner.last:  # the drafts, then their count: one broadcast
-            drafts = self.drafter.propose(k, self.policy)
+            drafts = self._draft(k)
             proposal[:, : drafts.shape[1]] = drafts
             proposal[0, k] = drafts.shape[1]
         runner.broadcast_from_last(proposal)
         n = int(proposal[0, k])
         drafts = proposal[:, :n]
-        out = runner.step(torch.cat([pending, drafts], dim=1))
+        out = self._clock("base", runner.step, torch.cat([pending, drafts], dim=1))
         verdict = torch.zeros(1, k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
             tokens, counts = greedy_chain_verify(drafts, out.logits.argmax(-1))
@@ -169,20 +206,26 @@ class SpeculativeGenerator:
         runner.broadcast_from_last(verdict)
         accepted = int(verdict[0, -1])
         runner.rewind(n - accepted)
-        return accepted, n, verdict[:, : accepted + 1], out
+        kept = out.rows(slice(0, accepted + 1)) if runner.last else None
+        return accepted, n, verdict[:, : accepted + 1], kept
 
     def _verify_tree(self, runner, pending):
         """The same round over a draft tree; the accepted path's cache entries are compacted."""
         k, n = self.k, self.tree.num_nodes(self.k)
         tree = torch.zeros(2, n, dtype=torch.long, device=pending.device)
         if runner.last:
-            drafted = self.drafter.propose_tree(k, self.tree)
+            if self._unread:  # trees draft every round: at most one round unread
+                (new, states), = self._unread
+                self._clock("draft", self.drafter.accept, new.shape[1] - 1, new, states)
+                self._unread = []
+            drafted = self._clock("draft", self.drafter.propose_tree, k, self.tree)
             tree = torch.stack([drafted.tokens, drafted.parents])
         runner.broadcast_from_last(tree)
         tokens, parents = tree[0:1], tree[1:2]
         start = runner.length  # pending's slot
         positions, mask = verify_layout(parents[0], start)
-        out = runner.step(torch.cat([pending, tokens], dim=1), positions, mask)
+        out = self._clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
+                          mask)
         verdict = torch.zeros(1, 2 * k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
             emitted, counts, path = tree_verify(tokens, parents, out.logits, max_depth=k)

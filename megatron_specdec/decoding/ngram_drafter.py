@@ -8,6 +8,8 @@ from torch import Tensor
 
 
 class NgramDrafter:
+    free_to_probe = True  # proposing costs a search of the history: no backoff needed
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got "

@@ -126,14 +126,15 @@ class Eagle3Module(MegatronModule):
         return self.fc(aux)
 
     def step(self, embeds: Tensor, hidden: Tensor, rotary_pos_emb: Optional[Tensor],
-             attention_mask: Tensor, kv_blocks: List[list]):
+             attention_mask: Tensor, kv_blocks: List[list], last_only: bool = False):
         """One draft step. embeds: embedding of the token after each position [s, b, h];
         hidden: the draft's hidden input [s, b, h]; kv_blocks: one list per draft layer
         (this step's keys/values are appended). Returns (hidden_out [s, b, h], logits over
-        this TP rank's slice of the padded draft vocabulary [s, b, Dp/TP], padded = -inf)."""
+        this TP rank's slice of the padded draft vocabulary [s, b, Dp/TP], padded = -inf);
+        with `last_only` the logits of the last position only (drafting reads no others)."""
         for layer, blocks in zip(self.layers, kv_blocks):
             hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
-        logits, _ = self.lm_head(self.final_layernorm(hidden))
+        logits, _ = self.lm_head(self.final_layernorm(hidden[-1:] if last_only else hidden))
         return hidden, logits.masked_fill(self._padded_ids, float("-inf"))
 
     def training_time_test(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
