@@ -1,0 +1,83 @@
+"""The decoding runtime's kernels and cache in one process (small seeded random Llama): the
+weight-on-the-left product equals F.linear at every row count and returns a tensor a
+tensor-parallel all-reduce can work on in place; the SDPA inference attention equals
+megatron's DotProductAttention (grouped queries, arbitrary mask); a decode over the
+rotated-key cache equals one full forward; a left-padded batch gives each row its batch-1
+greedy output; padding never puts NaN in the cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_specdec import distributed
+from test_speculative_generation import HF, build
+
+
+@pytest.fixture(scope="module")
+def model():
+    distributed.initialize(1, 1)
+    return build("eagle3")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 128, 300])
+def test_small_rows_linear_equals_f_linear(rows):
+    from megatron_specdec.layers.small_rows_linear import rows_linear, small_rows_linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 96, generator=g)[:, :, :64]  # a non-contiguous input
+    w = torch.randn(80, 64, generator=g)
+    for out in (small_rows_linear(x, w), rows_linear(x, w)):
+        assert out.shape == (rows, 1, 80) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_attention_equals_megatron_dot_product_attention(model):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_specdec.layers.decode_attention import SDPAttention
+
+    config = model.base.config
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.arbitrary,
+                attention_type="self")
+    ours, theirs = SDPAttention(**args).eval(), DotProductAttention(**args).eval()
+    g = torch.Generator().manual_seed(0)
+    heads, groups, d = (config.num_attention_heads, config.num_query_groups,
+                        config.kv_channels)
+    q = torch.randn(5, 2, heads, d, generator=g)
+    k, v = torch.randn(2, 12, 2, groups, d, generator=g)
+    mask = torch.rand(2, 1, 5, 12, generator=g) > 0.6
+    mask[..., 7:] = torch.eye(5, dtype=torch.bool).logical_not()  # every row sees itself
+    with torch.no_grad():
+        got = ours(q, k, v, mask, AttnMaskType.arbitrary)
+        want = theirs(q, k, v, mask, AttnMaskType.arbitrary)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_over_the_cache_equals_a_full_forward(model):
+    from megatron_specdec.generation import StageRunner
+
+    tokens = torch.randint(0, HF["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(3))
+    full = StageRunner(model.base, 1, 30, HF["vocab_size"]).step(tokens)
+    runner = StageRunner(model.base, 1, 30, HF["vocab_size"])
+    parts = [runner.step(tokens[:, :10]), runner.step(tokens[:, 10:11])]
+    runner.rewind(1)  # a rejected draft: its slot is overwritten
+    parts[-1] = runner.step(tokens[:, 10:11])
+    parts.append(runner.step(tokens[:, 11:]))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_left_padded_batch_rows_equal_their_batch_1_output(model):
+    from megatron_specdec.generation import StageRunner, greedy_generate, left_pad
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, HF["vocab_size"], (n,), generator=g).tolist() for n in (3, 17, 9)]
+    batch = greedy_generate(model.base, prompts, 12, HF["vocab_size"])
+    for prompt, row in zip(prompts, batch):
+        assert row == greedy_generate(model.base, [prompt], 12, HF["vocab_size"])[0]
+    tokens, padding = left_pad(prompts, 0)
+    runner = StageRunner(model.base, len(prompts), tokens.shape[1], HF["vocab_size"])
+    runner.set_padding(padding)
+    runner.step(tokens)
+    for keys, values in runner.context.key_value_memory_dict.values():
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
