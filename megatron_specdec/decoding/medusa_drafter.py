@@ -14,9 +14,11 @@ from megatron_specdec.decoding.tree import (
     DraftTree,
     TreeSpec,
     grow_tree,
+)
+from megatron_specdec.layers.vocab_parallel import (
+    vocab_parallel_argmax,
     vocab_parallel_log_probs,
 )
-from megatron_specdec.layers.losses import vocab_parallel_argmax
 
 
 class MedusaDrafter:

@@ -105,11 +105,3 @@ def verify_layout(parents: Tensor, prefix: int):
     mask[0, prefix + 1:] = True
     mask[1:, prefix + 1:] = ~seen
     return positions, mask[None, None]
-
-
-def vocab_parallel_log_probs(logits: Tensor, size: int) -> Tensor:
-    """Log-softmax [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size`)."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    full = gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())
-    return full[:, :size].float().log_softmax(-1)

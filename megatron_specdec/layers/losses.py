@@ -17,6 +17,8 @@ from torch import Tensor
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+from megatron_specdec.layers.vocab_parallel import vocab_parallel_argmax
+
 
 def _tp():
     group = ps.get_tensor_model_parallel_group()
@@ -95,22 +97,6 @@ def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
     """Per-token soft cross-entropy [N] of vocab-parallel logits against vocab-parallel target
     probabilities `probs` (from `target_probs`; softmax over the whole, split, vocabulary)."""
     return _SoftCrossEntropy.apply(logits, probs)
-
-
-@torch.no_grad()
-def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
-    """Global argmax [N] of logits split over TP (this rank's slice starts at `offset`);
-    ties go to the lowest id."""
-    group, size, _ = _tp()
-    values, index = logits.max(-1)
-    if size == 1:
-        return index + offset
-    both = torch.stack([values.float(), (index + offset).float()])
-    gathered = [torch.empty_like(both) for _ in range(size)]
-    dist.all_gather(gathered, both, group=group)
-    stacked = torch.stack(gathered)  # [TP, 2, N]
-    best = stacked[:, 0].argmax(0)  # first rank with the max = lowest id
-    return stacked[:, 1].gather(0, best[None])[0].long()
 
 
 def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
