@@ -6,6 +6,9 @@ Face layout TensorRT-LLM, vLLM and SGLang load.
     # base model and draft side by side: OUT/base and OUT/eagle3 (or OUT/medusa)
     python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 \\
         --out runs/hf/full --full
+    # then serve it in vLLM (the env `make vllm-env` creates): greedy-identical, draft alive
+    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3 \\
+        --verify-with vllm
 
 Medusa heads are written in the FasterDecoding layout (config.json +
 medusa_lm_head.safetensors). The output is written to a temporary directory beside --out and
@@ -30,6 +33,15 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the draft's weights (default: as trained; not with --full)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--verify-with", choices=("vllm",),
+                   help="serve the EAGLE3 export in vLLM on a few prompts: its speculative "
+                        "output must equal its greedy output and its acceptance length must "
+                        "reach --min-acceptance-length (the export stays written if it fails)")
+    p.add_argument("--verify-base",
+                   help="HF directory of the base for --verify-with (default: OUT/base with "
+                        "--full, else the checkpoint's base written to a temporary directory)")
+    p.add_argument("--min-acceptance-length", type=float,
+                   help="acceptance-length floor of --verify-with (default 1.02; 1.0 = dead)")
     return p.parse_args(argv)
 
 
@@ -38,6 +50,12 @@ def main(argv=None):
     from megatron_specdec import checkpoint
     from megatron_specdec.export import eagle3_hf, full_export, medusa_hf
 
+    algo = checkpoint.read_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")
+    if args.verify_with and algo != "eagle3":
+        raise ValueError(f"--verify-with checks EAGLE3 exports; {args.ckpt} holds a {algo} "
+                         f"draft (vLLM 0.32's Medusa support is described in the README)")
+    if (args.verify_base or args.min_acceptance_length) and not args.verify_with:
+        raise ValueError("--verify-base and --min-acceptance-length need --verify-with vllm")
     start = time.time()
     if args.full:
         if args.dtype:
@@ -45,10 +63,31 @@ def main(argv=None):
                              "--full keeps the checkpoint's dtype")
         full_export.export_full(args.ckpt, args.out, overwrite=args.overwrite)
     else:
-        algo = checkpoint.read_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")
         export = medusa_hf.export_medusa if algo == "medusa" else eagle3_hf.export_eagle3
         export(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
     logging.getLogger("export_draft").info("wrote %s in %.1f s", args.out, time.time() - start)
+    if args.verify_with:
+        verify(args)
+
+
+def verify(args):
+    """Serve the export in vLLM (engines/verify_export.py); the base comes from --verify-base,
+    OUT/base (--full), or the checkpoint's base written to a temporary HF directory."""
+    import tempfile
+    from pathlib import Path
+
+    from megatron_specdec.engines import verify_export
+    from megatron_specdec.hf_conversion import megatron_to_hf
+
+    out = Path(args.out)
+    draft = out / "eagle3" if args.full else out
+    floor = args.min_acceptance_length or verify_export.MIN_ACCEPTANCE_LENGTH
+    with tempfile.TemporaryDirectory(prefix=".verify_base_", dir=out.parent) as tmp:
+        base = args.verify_base or (out / "base" if args.full else None)
+        if base is None:
+            base = Path(tmp) / "base"
+            megatron_to_hf(args.ckpt, base)
+        verify_export.verify_eagle3(draft, base, min_acceptance_length=floor)
 
 
 if __name__ == "__main__":
