@@ -161,17 +161,20 @@ def left_pad(prompts, pad_id: int, device=None):
 
 @torch.no_grad()
 def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
-                    temperature: float = 0.0, top_p: float = 1.0, generator=None):
+                    temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                    top_k: int = 0):
     """Continuations of `prompts` (lists of token ids), stopping a row at any id in `eos_ids`
     (not included in its result) or after `max_new_tokens`. `vocab_size` is the unpadded
     vocabulary. Greedy by default; `temperature` > 0 samples (after top-p) from the last
-    stage's `generator`, which data synthesis uses to draw diverse prompts. All
+    stage's `generator` (after top-k, then top-p), which data synthesis uses to draw diverse
+    prompts. All
     model-parallel ranks call this with the same prompts; every rank returns the result."""
     from megatron_specdec.acceptance.reference import target_probs
     from megatron_specdec.distributed import device
 
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    from megatron_specdec.decoding.sampling import Sampling
+
+    Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
     tokens, padding = left_pad(prompts, 0, device())
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
@@ -186,7 +189,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
         if runner.last and temperature == 0:
             next_tokens = logits[:, -1].argmax(-1)
         elif runner.last:
-            probs = target_probs(logits[:, -1], temperature, top_p=top_p)
+            probs = target_probs(logits[:, -1], temperature, top_k=top_k, top_p=top_p)
             next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done

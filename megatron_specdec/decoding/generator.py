@@ -1,4 +1,5 @@
-"""Greedy speculative generation from a SpeculativeGPTModel at any TP/PP (batch 1).
+"""Speculative generation (greedy, or lossless sampling for chains) from a
+SpeculativeGPTModel at any TP/PP (batch 1).
 
 Every rank of the model-parallel group runs the same loop. Per round the last stage drafts
 up to k tokens (the DraftPolicy decides how many: draft_policy.py; none makes the round a
@@ -28,9 +29,10 @@ import time
 
 import torch
 
-from megatron_specdec.acceptance import greedy_chain_verify, tree_verify
+from megatron_specdec.acceptance import greedy_chain_verify, stochastic_chain_verify, tree_verify
 from megatron_specdec.decoding.base_runner import BaseOutput, BaseRunner
 from megatron_specdec.decoding.draft_policy import DraftPolicy
+from megatron_specdec.decoding.sampling import Sampling
 from megatron_specdec.decoding.tree import TreeSpec, verify_layout
 
 
@@ -110,13 +112,21 @@ class SpeculativeGenerator:
         self.drafter = drafter if drafter is not None else build_drafter(model, drafter_kind)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=()) -> GenerationResult:
-        """Greedy continuation of one prompt (token ids), stopping at any id in `eos_ids`
-        (not included) or after `max_new_tokens`. Every rank returns the result."""
+    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=(),
+                 sampling: Sampling = None) -> GenerationResult:
+        """Continuation of one prompt (token ids), stopping at any id in `eos_ids` (not
+        included) or after `max_new_tokens`: greedy, or sampled losslessly with `sampling`
+        (chains: drafts are proposed one-hot and accepted by rejection sampling, so the
+        output has plain sampling's distribution). Every rank returns the result."""
         from megatron_specdec.distributed import device
 
         if len(prompt_ids) == 0:
             raise ValueError("the prompt needs at least one token")
+        sampling = sampling if sampling is not None and not sampling.greedy else None
+        if sampling is not None and self.tree is not None:
+            raise NotImplementedError("sampled tree drafting is not built; use a chain")
+        self._sampling = sampling
+        self._rng = None if sampling is None else sampling.generator(device())
         started = time.perf_counter()
         k, drafter = self.k, self.drafter
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device())
@@ -143,7 +153,9 @@ class SpeculativeGenerator:
         out = clock("base", runner.step, prompt)
         pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
         if runner.last:
-            pending[:, 0] = out.logits[:, -1].argmax(-1)
+            last = out.logits[:, -1]
+            pending[:, 0] = last.argmax(-1) if sampling is None else \
+                sampling.sample(last, self._rng)
             clock("draft", drafter.start, prompt, pending, out, max_length)
         runner.broadcast_from_last(pending)
         if emit(int(pending)):
@@ -200,7 +212,7 @@ class SpeculativeGenerator:
         out = self._clock("base", runner.step, torch.cat([pending, drafts], dim=1))
         verdict = torch.zeros(1, k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            tokens, counts = greedy_chain_verify(drafts, out.logits.argmax(-1))
+            tokens, counts = self._accept(drafts, out.logits)
             verdict[:, : n + 1] = tokens
             verdict[0, -1] = counts[0]
         runner.broadcast_from_last(verdict)
@@ -208,6 +220,14 @@ class SpeculativeGenerator:
         runner.rewind(n - accepted)
         kept = out.rows(slice(0, accepted + 1)) if runner.last else None
         return accepted, n, verdict[:, : accepted + 1], kept
+
+    def _accept(self, drafts, logits):
+        """(emitted tokens [1, n + 1] padded with -1, accepted count [1]) of a chain."""
+        if self._sampling is None:
+            return greedy_chain_verify(drafts, logits.argmax(-1))
+        s = self._sampling
+        return stochastic_chain_verify(drafts, logits, temperature=s.temperature, top_k=s.top_k,
+                                       top_p=s.top_p, generator=self._rng)
 
     def _verify_tree(self, runner, pending):
         """The same round over a draft tree; the accepted path's cache entries are compacted."""
