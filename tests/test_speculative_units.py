@@ -166,8 +166,24 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     assert 1.0 <= tree["overall"]["acceptance_length"] <= 4.0
     assert (tree_out / "acceptance.png").is_file()
 
+    sampled_out = tmp_path / "sampled"
+    run = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(sampled_out),
+         "--max-new-tokens", "12", "--drafter", "ngram", "--temperature", "0.7", "--top-k",
+         "20", "--seed", "3"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sampled = json.loads((sampled_out / "acceptance.json").read_text())
+    assert sampled["algo"] == "ngram" and "identical_to_greedy" not in sampled
+    assert sampled["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0, "seed": 3}
+
     missing = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(tmp_path / "none.jsonl"), "--out-dir", str(out)],
         capture_output=True, text=True)
     assert missing.returncode == 2 and "none.jsonl" in missing.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
+         "--temperature", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr

@@ -4,7 +4,7 @@
         --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
         [--tree-top-k 4 [--tree-max-nodes 32]] [--drafter eagle3|medusa|ngram]
-        [--draft-policy adaptive|fixed]
+        [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
@@ -23,7 +23,10 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
+
+import torch
 
 from megatron_specdec.cli import run_cli
 from megatron_specdec.decoding.metrics import summarise_by_category
@@ -80,10 +83,12 @@ def _resolve(model_or_ckpt, tokenizer):
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
-                        policy="adaptive"):
+                        policy="adaptive", sampling=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
     `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa or ngram
-    (default: the model's own draft module); `policy`: adaptive or fixed draft length.
+    (default: the model's own draft module); `policy`: adaptive or fixed draft length;
+    `sampling`: a decoding.sampling.Sampling (prompt i uses seed + i; the baseline is then
+    plain sampling, and outputs are not compared).
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -102,18 +107,27 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree, policy=policy,
                                      drafter_kind=drafter)
-    records, spec_time, greedy_time, identical = [], 0.0, 0.0, 0
-    for category, ids in tqdm(prompts, desc="acceptance", disable=not (progress and is_rank0())):
+    sampled = sampling is not None and not sampling.greedy
+    seed = (sampling.seed or 0) if sampled else 0
+    records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
+    for i, (category, ids) in enumerate(tqdm(prompts, desc="acceptance",
+                                             disable=not (progress and is_rank0()))):
+        settings = replace(sampling, seed=seed + i) if sampled else None
         start = time.perf_counter()
-        result = generator.generate(ids, max_new_tokens, eos)
+        result = generator.generate(ids, max_new_tokens, eos, sampling=settings)
         spec_time += time.perf_counter() - start
         record = {"category": category, "accepted": result.accepted,
                   "drafted": result.drafted, "new_tokens": len(result.tokens)}
         if compare_greedy:
+            knobs = {} if not sampled else dict(
+                temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
+                generator=torch.Generator().manual_seed(settings.seed))
             start = time.perf_counter()
-            greedy = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos)[0]
+            plain = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos,
+                                    **knobs)[0]
             greedy_time += time.perf_counter() - start
-            identical += greedy == result.tokens
+            plain_tokens += len(plain)
+            identical += plain == result.tokens
         records.append(record)
     tokens = sum(r["new_tokens"] for r in records)
     report = {
@@ -129,10 +143,13 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
         "new_tokens": tokens,
         "speculative_tokens_per_s": tokens / spec_time,
     }
+    if sampled:
+        report["sampling"] = asdict(sampling)
     if compare_greedy:
-        report["greedy_tokens_per_s"] = tokens / greedy_time
-        report["speedup"] = greedy_time / spec_time
-        report["identical_to_greedy"] = f"{identical}/{len(records)}"
+        report["greedy_tokens_per_s"] = plain_tokens / greedy_time  # plain sampling if sampled
+        report["speedup"] = report["speculative_tokens_per_s"] / report["greedy_tokens_per_s"]
+        if not sampled:
+            report["identical_to_greedy"] = f"{identical}/{len(records)}"
     report["per_prompt"] = records
     if out_dir is not None and is_rank0():
         out_dir = Path(out_dir)
@@ -207,6 +224,19 @@ def add_drafting_args(p):
                    help="who drafts (default: the checkpoint's draft module; ngram needs none)")
     p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="adaptive: draft while the draft is confident (default); fixed: always k")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples losslessly (chains)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k likeliest (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling: seed of the first prompt")
+
+
+def sampling_of(args):
+    """The Sampling of --temperature/--top-k/--top-p/--seed (None: greedy)."""
+    from megatron_specdec.decoding.sampling import Sampling
+
+    settings = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    return None if settings.greedy else settings
 
 
 def tree_spec(args):
@@ -229,7 +259,8 @@ def _worker(args):
                                  num_draft_tokens=args.num_draft_tokens,
                                  num_prompts=args.num_prompts, out_dir=args.out_dir,
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
-                                 drafter=args.drafter, policy=args.draft_policy)
+                                 drafter=args.drafter, policy=args.draft_policy,
+                                 sampling=sampling_of(args))
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))
@@ -244,6 +275,7 @@ def main(argv=None):
         raise FileNotFoundError(f"prompt file {args.data} not found")
     checkpoint.read_meta(args.model)  # a clear error here, before any rank starts
     tree_spec(args)
+    sampling_of(args)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 
