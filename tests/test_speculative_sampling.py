@@ -1,6 +1,7 @@
 """Lossless speculative sampling on a small seeded random Llama: the distribution of the
 tokens it emits equals plain sampling's (two-sample chi-square per position, which rejects a
-deliberately wrong sampler that keeps every draft), a seed reproduces its output, and bad
+deliberately wrong sampler that keeps every draft), with one-hot drafts and with drafts
+sampled from the EAGLE3 draft's own distribution; a seed reproduces its output, and bad
 sampling settings are refused by name."""
 
 import pytest
@@ -65,8 +66,16 @@ def test_speculative_sampling_matches_plain_sampling(model):
     speculative, accepted = _generator(model, greedy), []
 
     def spec(seed):
-        result = speculative.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
+        result = speculative.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed,
+                                                                     one_hot_drafts=True))
         accepted.extend(result.accepted)
+        return result.tokens
+
+    own, own_accepted = SpeculativeGenerator(model, K, policy="fixed"), []
+
+    def with_draft_probs(seed):  # the random EAGLE3 draft samples its drafts from q
+        result = own.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
+        own_accepted.extend(result.accepted)
         return result.tokens
 
     class KeepsEveryDraft(SpeculativeGenerator):
@@ -82,6 +91,8 @@ def test_speculative_sampling_matches_plain_sampling(model):
     reference = _samples(plain)  # seeded: p-values measured 0.56 here, 3e-193 for `biased`
     assert _same_distribution(reference, _samples(spec)) > 1e-3
     assert 0.1 < sum(accepted) / (K * len(accepted)) < 0.9  # both branches were exercised
+    assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3
+    assert sum(own_accepted) > 0
     assert _same_distribution(reference, _samples(biased)) < 1e-6
 
 

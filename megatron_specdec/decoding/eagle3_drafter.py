@@ -27,6 +27,7 @@ from megatron_specdec.decoding.tree import (
 )
 from megatron_specdec.layers.vocab_parallel import (
     vocab_parallel_argmax,
+    vocab_parallel_gather,
     vocab_parallel_log_probs,
 )
 
@@ -112,6 +113,37 @@ class Eagle3Drafter:
         if not drafts:
             return self.target_ids.new_zeros(logits.shape[1], 0)
         return torch.stack(drafts, dim=1)
+
+    def propose_sampled(self, k: int, policy, sampling, rng):
+        """Up to k chained tokens sampled from the draft's own distribution (temperature,
+        top-k, top-p over the draft vocabulary) and those distributions over the target
+        vocabulary, ([b, n], [b, n, V] float64), for lossless verification with draft
+        probabilities. The chain stops as `propose` does (top probability as confidence)."""
+        from megatron_specdec.acceptance.reference import target_probs
+
+        real = self._last
+        hidden, logits = real
+        drafts, probs, chain = [], [], 1.0
+        vocab = self.module.t2d.numel()
+        for i in range(k):
+            if i:
+                self._step(hidden, drafts[-1][:, None])
+                hidden, logits = self._last
+            q = target_probs(vocab_parallel_gather(logits, self.module.draft_vocab_size),
+                             sampling.temperature, sampling.top_k, sampling.top_p)
+            chain *= float(q.max())
+            if policy is not None and not policy.keeps(chain):
+                break
+            drafts.append(self.target_ids[torch.multinomial(q, 1, generator=rng)[:, 0]])
+            full = q.new_zeros(q.shape[0], vocab)
+            full[:, self.target_ids] = q
+            probs.append(full)
+        self._truncate(self.length)
+        self._last = real
+        if not drafts:
+            empty = self.target_ids.new_zeros(logits.shape[1], 0)
+            return empty, None
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
 
     def propose_tree(self, depth: int, spec: TreeSpec) -> DraftTree:
         """A draft tree (target ids) of `depth` levels after the newest real position, grown

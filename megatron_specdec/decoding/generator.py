@@ -116,8 +116,9 @@ class SpeculativeGenerator:
                  sampling: Sampling = None) -> GenerationResult:
         """Continuation of one prompt (token ids), stopping at any id in `eos_ids` (not
         included) or after `max_new_tokens`: greedy, or sampled losslessly with `sampling`
-        (chains: drafts are proposed one-hot and accepted by rejection sampling, so the
-        output has plain sampling's distribution). Every rank returns the result."""
+        (chains: drafts sampled from the draft's distribution, or proposed one-hot, are
+        accepted by rejection sampling, so the output has plain sampling's distribution).
+        Every rank returns the result."""
         from megatron_specdec.distributed import device
 
         if len(prompt_ids) == 0:
@@ -174,7 +175,9 @@ class SpeculativeGenerator:
 
     def _draft(self, k: int):
         """The last stage's drafts [1, n] for this round: none while sitting out a backoff
-        (draft_policy.py); otherwise the drafter first reads the base states it has not seen."""
+        (draft_policy.py); otherwise the drafter first reads the base states it has not seen.
+        Sampled drafts leave their distributions in `_draft_probs` for `_accept`."""
+        self._draft_probs = None
         if self._skip:
             self._skip -= 1
             return torch.zeros(1, 0, dtype=torch.long, device=self._unread[0][0].device)
@@ -183,7 +186,12 @@ class SpeculativeGenerator:
             states = BaseOutput.cat([o for _, o in self._unread])
             self._clock("draft", self.drafter.accept, tokens.shape[1] - 1, tokens, states)
             self._unread = []
-        drafts = self._clock("draft", self.drafter.propose, k, self.policy)
+        s = self._sampling
+        if s is not None and not s.one_hot_drafts and hasattr(self.drafter, "propose_sampled"):
+            drafts, self._draft_probs = self._clock(
+                "draft", self.drafter.propose_sampled, k, self.policy, s, self._rng)
+        else:
+            drafts = self._clock("draft", self.drafter.propose, k, self.policy)
         if not getattr(self.drafter, "free_to_probe", False):
             self._backoff = self._skip = self.policy.next_backoff(self._backoff,
                                                                   drafts.shape[1])
@@ -226,8 +234,9 @@ class SpeculativeGenerator:
         if self._sampling is None:
             return greedy_chain_verify(drafts, logits.argmax(-1))
         s = self._sampling
-        return stochastic_chain_verify(drafts, logits, temperature=s.temperature, top_k=s.top_k,
-                                       top_p=s.top_p, generator=self._rng)
+        return stochastic_chain_verify(drafts, logits, draft_probs=self._draft_probs,
+                                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                       generator=self._rng)
 
     def _verify_tree(self, runner, pending):
         """The same round over a draft tree; the accepted path's cache entries are compacted."""

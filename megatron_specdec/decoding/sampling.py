@@ -19,6 +19,10 @@ class Sampling:
     top_k: int = 0  # 0: no cut
     top_p: float = 1.0
     seed: Optional[int] = None
+    # Drafters with their own distribution (EAGLE3) sample drafts from it and verify against
+    # it; with one_hot_drafts they propose their top token and verify it as one-hot (vLLM's
+    # default). Both are lossless.
+    one_hot_drafts: bool = False
 
     def __post_init__(self):
         if not self.temperature >= 0:

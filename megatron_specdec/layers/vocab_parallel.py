@@ -25,7 +25,11 @@ def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
     return stacked[:, 1].gather(0, best[None])[0].long()
 
 
+def vocab_parallel_gather(logits: Tensor, size: int) -> Tensor:
+    """Logits [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size` dropped)."""
+    return gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())[:, :size]
+
+
 def vocab_parallel_log_probs(logits: Tensor, size: int) -> Tensor:
     """Log-softmax [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size`)."""
-    full = gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())
-    return full[:, :size].float().log_softmax(-1)
+    return vocab_parallel_gather(logits, size).float().log_softmax(-1)
