@@ -181,6 +181,14 @@ def read_meta(path) -> dict:
     return meta
 
 
+def base_meta_of(meta: dict) -> dict:
+    """The metadata of a checkpoint's base half, as a new checkpoint of the same base is saved
+    with it: without what a save adds (format, saved layout) or a draft/training record."""
+    added = ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel", "draft",
+             "training_checkpoint")
+    return {k: v for k, v in meta.items() if k not in added}
+
+
 def hf_config_from_meta(meta: dict):
     from transformers import AutoConfig
 

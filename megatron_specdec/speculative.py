@@ -127,8 +127,7 @@ def _base_checkpoint_meta(path) -> dict:
         raise checkpoint.CheckpointError(
             f"{path} already holds a {meta['draft']['algo']} draft module; convert a base checkpoint"
         )
-    return {k: v for k, v in meta.items()
-            if k not in ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel")}
+    return checkpoint.base_meta_of(meta)
 
 
 def calibrate_draft_vocab(model_path, calibration_data, draft_vocab_size: int, vocab_size: int):

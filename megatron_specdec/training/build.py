@@ -22,12 +22,6 @@ from megatron_specdec.training.recipe import RecipeError
 log = logging.getLogger(__name__)
 
 
-def _base_meta(meta: dict) -> dict:
-    return {k: v for k, v in meta.items()
-            if k not in ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel",
-                         "draft", "training_checkpoint")}
-
-
 def load_base(recipe):
     """(base GPTModel stage, hf_config, base meta, tokenizer dir, stored draft entry or None)."""
     from megatron_specdec.hf_conversion import base_meta, model_from_hf
@@ -46,7 +40,8 @@ def load_base(recipe):
         hf_config = checkpoint.hf_config_from_meta(meta)
         base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
                            transformer_impl=meta["transformer_impl"])
-    return base, hf_config, _base_meta(meta), path / checkpoint.TOKENIZER_DIR, meta.get("draft")
+    return (base, hf_config, checkpoint.base_meta_of(meta), path / checkpoint.TOKENIZER_DIR,
+            meta.get("draft"))
 
 
 def draft_config(recipe, hf_config, stored=None):

@@ -22,11 +22,11 @@ from megatron.core import parallel_state as ps
 
 from megatron_specdec import distributed
 from megatron_specdec.layers import aux_capture, losses
+from megatron_specdec.training.batches import STATE_KEYS, model_batch
 from megatron_specdec.training.recipe import offline_dir
 
 log = logging.getLogger(__name__)
 
-STATE_KEYS = ("aux", "residual")
 INDEX = "index.json"
 
 
@@ -72,8 +72,6 @@ def _writer() -> bool:
 def dump_states(model, dataset, directory: Path, recipe):
     """Collectively compute and store the base states of every row (skips finished rows)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_specdec.training.trainer import model_batch
 
     fingerprint = _fingerprint(model, dataset, recipe)
     index = directory / INDEX

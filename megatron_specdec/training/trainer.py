@@ -16,6 +16,7 @@ from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_speculative, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
                                        offline, optimizer)
+from megatron_specdec.training.batches import model_batch
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
                                               to_yaml)
@@ -23,17 +24,6 @@ from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_
 log = logging.getLogger(__name__)
 
 FINAL_DIR = "final"
-
-
-def model_batch(batch: dict, pack: bool) -> dict:
-    """A data batch in the model's terms: packed rows attend within their conversation."""
-    from megatron_specdec.data import packed_attention_mask
-
-    out = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"]}
-    if pack:
-        out["attention_mask"] = packed_attention_mask(batch["segment_ids"])
-    out.update({k: v for k, v in batch.items() if k in offline.STATE_KEYS})
-    return {k: v.to(distributed.device()) for k, v in out.items()}
 
 
 def _resume_point(recipe):
