@@ -2,9 +2,11 @@
 `python -m megatron_specdec.train --config recipes/<recipe>.yaml key=value ...` (or torchrun).
 
 recipe: schema, overrides, validation; build: the speculative model a recipe names;
-optimizer: AdamW, lr schedule, gradient averaging and clipping; checkpoints: verified, reshardable
-training checkpoints; offline: stored base states; metrics: progress, TensorBoard, logs;
-evaluation: periodic acceptance length; trainer: the loop.
+batches: data batches in the model's terms; optimizer: AdamW on fp32 master weights, lr
+schedule, gradient averaging and clipping; checkpoints: verified, reshardable, pickle-free
+training checkpoints; base_fingerprint: what a resume checks the base against; offline: stored
+base states; metrics: progress, TensorBoard, logs; evaluation: periodic acceptance length;
+trainer: the loop.
 """
 
 from megatron_specdec.training.recipe import Recipe, RecipeError, load_recipe
