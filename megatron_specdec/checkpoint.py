@@ -82,7 +82,7 @@ def commit_dir(tmp, path):
     os.rename(tmp, version)
     link = path.parent / f".{path.name}.link-{tag}"
     os.symlink(version.name, link)
-    old = path.resolve() if path.is_symlink() else None
+    old = _own_version(path)
     if path.is_dir() and not path.is_symlink():
         old = path.parent / f".{path.name}.old-{tag}"
         os.rename(path, old)
@@ -91,14 +91,26 @@ def commit_dir(tmp, path):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _own_version(path: Path):
+    """The versioned sibling a link made by `commit_dir` points to (None for any other link:
+    a user's link to another disk is replaced, its target never removed)."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    mine = (target.parent == path.parent.resolve()
+            and target.name.startswith(f".{path.name}.v-"))
+    return target if mine else None
+
+
 def remove_dir(path):
     """Remove a committed directory: the link and the version it points to (or a plain
     directory)."""
     path = Path(path)
     if path.is_symlink():
-        target = path.resolve()
+        target = _own_version(path)
         path.unlink()
-        shutil.rmtree(target, ignore_errors=True)
+        if target is not None:
+            shutil.rmtree(target, ignore_errors=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
 

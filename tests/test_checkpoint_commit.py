@@ -1,7 +1,8 @@
 """`checkpoint.commit_dir`: the path always names a complete version (a reader polling it
 while versions are committed never finds it missing; the rename-aside commit this replaced
-failed 98 such polls in one run of this loop), old versions are removed, and a directory
-written before links were used is replaced."""
+failed 98 such polls in one run of this loop), old versions are removed, a directory written
+before links were used is replaced, and a user's own link is replaced without touching its
+target."""
 
 import os
 import threading
@@ -51,3 +52,17 @@ def test_legacy_directory_replaced_and_removed(tmp_path):
     assert path.is_symlink() and (path / "v").read_text() == "new"
     checkpoint.remove_dir(path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_users_link_replaced_but_its_target_kept(tmp_path):
+    elsewhere = tmp_path / "other_disk" / "ckpt"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "v").write_text("user's")
+    path = tmp_path / "out" / "ckpt"
+    path.parent.mkdir()
+    path.symlink_to(elsewhere)
+    checkpoint.commit_dir(_version(path.parent, "ckpt", "new"), path)
+    assert (path / "v").read_text() == "new"
+    assert (elsewhere / "v").read_text() == "user's"
+    checkpoint.remove_dir(path)
+    assert not path.exists() and (elsewhere / "v").read_text() == "user's"
