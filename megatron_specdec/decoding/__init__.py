@@ -1,9 +1,10 @@
 """Speculative decoding with a SpeculativeGPTModel over megatron-core KV caches.
 
 `SpeculativeGenerator(model, num_draft_tokens).generate(prompt_ids, max_new_tokens, eos_ids)`
-drafts a chain of k tokens (EAGLE3 draft with its own KV cache, or Medusa heads), verifies
-it in one base forward, accepts with the fused greedy chain op and rolls both caches back;
-its output equals plain greedy generation. `tree=TreeSpec(top_k, max_nodes)` drafts an
+drafts a chain of up to k tokens (EAGLE3 draft with its own KV cache, Medusa heads, or
+prompt lookup; draft_policy.py decides how many), verifies it in one base forward, accepts
+with the fused chain ops and rolls both caches back; greedy, its output equals plain greedy
+generation; with `sampling=Sampling(...)` it samples losslessly. `tree=TreeSpec(top_k, max_nodes)` drafts an
 EAGLE-2-style tree of depth k instead and verifies it in one forward with a tree mask (the
 fused greedy tree op). `decoding.validate.evaluate_acceptance` (and
 `python -m megatron_specdec.decoding.validate`) measures acceptance length over a prompt set;

@@ -1,5 +1,5 @@
 """Periodic acceptance-length evaluation of the draft being trained, through the decoding
-package's `evaluate_acceptance` (greedy chain generation on the recipe's prompt file).
+package's `evaluate_acceptance` (greedy chains of fixed length on the recipe's prompt file).
 Each evaluation's full report goes to `<output_dir>/evaluation/step_<n>/acceptance.json`;
 the acceptance length and per-position acceptance go to the log and TensorBoard."""
 
@@ -20,7 +20,8 @@ def run(recipe, model, tokenizer, step: int, reporter) -> dict:
         model, e.prompts, tokenizer, max_new_tokens=e.max_new_tokens,
         num_draft_tokens=e.draft_tokens, num_prompts=e.num_prompts,
         out_dir=Path(recipe.output_dir) / "evaluation" / f"step_{step:07d}",
-        compare_greedy=False, progress=False)
+        compare_greedy=False, progress=False,
+        policy="fixed")  # a learning curve measures the draft at every position, not the policy
     model.train()
     overall = report["overall"]
     reporter.scalar("eval/acceptance_length", overall["acceptance_length"], step)
