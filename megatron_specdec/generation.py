@@ -148,8 +148,12 @@ class StageRunner:
 
 def left_pad(prompts, pad_id: int, device=None):
     """[b, L] tokens and [b, L] padding flags for a ragged batch of prompts."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    if not prompts:
+        raise ValueError("prompts: need a batch of at least one prompt")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts: every prompt needs at least one token; prompt {empty[0]} "
+                         f"of the batch is empty")
     length = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
     padding = torch.ones(len(prompts), length, dtype=torch.bool, device=device)

@@ -81,3 +81,21 @@ def test_left_padded_batch_rows_equal_their_batch_1_output(model):
     runner.step(tokens)
     for keys, values in runner.context.key_value_memory_dict.values():
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+
+
+def test_bad_generation_input_is_named(model):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
+        greedy_generate(model.base, [[1, 2], []], 4, HF["vocab_size"])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        greedy_generate(model.base, [], 4, HF["vocab_size"])
+    with pytest.raises(ValueError, match="top_p"):
+        greedy_generate(model.base, [[1]], 4, HF["vocab_size"], temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeGenerator(model, 0)
+    with pytest.raises(ValueError, match="draft policy 'eager'"):
+        SpeculativeGenerator(model, 2, policy="eager")
+    with pytest.raises(ValueError, match="drafter 'medusa' needs a model whose draft module is medusa"):
+        SpeculativeGenerator(model, 2, drafter_kind="medusa")

@@ -56,17 +56,23 @@ def default_num_draft_tokens(model) -> int:
 DRAFTERS = ("eagle3", "medusa", "ngram")
 
 
+def check_drafter_kind(model, kind: str = None) -> str:
+    """`kind`, or the model's own draft module when None, if this model can draft with it."""
+    kind = kind or model.algo
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter {kind!r}; expected one of {DRAFTERS}")
+    if kind != "ngram" and kind != model.algo:
+        raise ValueError(f"drafter {kind!r} needs a model whose draft module is {kind}; "
+                         f"this one's is {model.algo}")
+    return kind
+
+
 def build_drafter(model, kind: str = None):
     """This stage's drafter of `kind` (default: the model's own draft module; None before the
     last stage). Collective over the pipeline."""
     from megatron.core import parallel_state as ps
 
-    kind = kind or model.algo
-    if kind not in DRAFTERS:
-        raise ValueError(f"drafter {kind!r}; expected one of {DRAFTERS}")
-    if kind != "ngram" and kind != model.algo:
-        raise ValueError(f"drafter {kind!r} needs a model with an {kind} draft module, "
-                         f"this one has {model.algo}")
+    kind = check_drafter_kind(model, kind)
     if kind == "ngram":
         from megatron_specdec.decoding.ngram_drafter import NgramDrafter
 
@@ -97,8 +103,9 @@ class SpeculativeGenerator:
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
                  tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None):
         self.model = model
-        self.k = num_draft_tokens or default_num_draft_tokens(model)
-        if (drafter_kind or model.algo) == "medusa" and \
+        self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
+                  else num_draft_tokens)
+        if check_drafter_kind(model, drafter_kind) == "medusa" and \
                 self.k > model.spec_config.medusa_num_heads:
             raise ValueError(f"num_draft_tokens {self.k} exceeds the "
                              f"{model.spec_config.medusa_num_heads} Medusa heads")
