@@ -13,11 +13,15 @@ hits all of them alike:
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
 speculative run's time goes (drafting, base forwards, the rest), and acceptance length per
-category. Table on stdout, JSON in bench/results/generation.json (plot beside it).
+category. Then, on the same prompts: plain greedy throughput at each --batch-sizes (project
+vs transformers, left-padded batches), and sampling at --temperature (transformers, project
+plain, project speculative with the draft and with n-gram). Table on stdout, JSON in
+bench/results/generation.json (plot beside it).
 
     python bench/bench_generation.py --data ../shared/data/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
-        [--tree-top-k T [--tree-max-nodes N]] [--every N]
+        [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
+        [--temperature 0.7]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
 `convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
@@ -71,7 +75,7 @@ def hf_runner(hf_model, eos, max_new_tokens, **kwargs):
 
 
 def methods(args, model, hf_dir, eos, tree):
-    """name -> run(prompt ids) -> (tokens, GenerationResult or None)."""
+    """({name -> run(prompt ids) -> (tokens, GenerationResult or None)}, the HF model)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_specdec.decoding.generator import SpeculativeGenerator
@@ -94,7 +98,7 @@ def methods(args, model, hf_dir, eos, tree):
                                                             tree=tree)
     for name, generator in drafts.items():
         runs[name] = spec_runner(generator, n, eos)
-    return runs
+    return runs, hf_model
 
 
 def spec_runner(generator, max_new_tokens, eos):
@@ -118,6 +122,9 @@ def main():
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="also draft a tree with this branching")
     p.add_argument("--tree-max-nodes", type=int, default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling comparison at this temperature (0: skip it)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
 
@@ -132,7 +139,7 @@ def main():
     tokenizer = load_tokenizer(str(tokenizer_dir))
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
-    runs = methods(args, model, tokenizer_dir, eos, tree)
+    runs, hf_model = methods(args, model, tokenizer_dir, eos, tree)
     load_before = os.getloadavg()[0]
     stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": []} for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
@@ -176,6 +183,8 @@ def main():
                             for d in r.drafted])["acceptance_length"]
                            for c in sorted({c for c, _ in prompts})})
         report[name] = row
+    batched = batch_throughput(model, hf_model, prompts, eos, args)
+    sampled = sampling_speed(model, hf_model, prompts, eos, args)
     result = {
         "model": what,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
@@ -185,6 +194,8 @@ def main():
         "prompts": f"{args.data}: every {args.every}th first turn, {len(prompts)} prompts",
         "max_new_tokens": args.max_new_tokens,
         "methods": report,
+        "batched_greedy": batched,
+        "sampling": sampled,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +216,104 @@ def main():
         else:
             line += f"{'':>14}{row['identical_to_project_greedy']:>4}/{len(prompts)}"
         print(line)
+    for b, row in batched.items():
+        print(f"batch {b}: project {row['project_tokens_per_s']:.2f} tok/s, transformers "
+              f"{row['transformers_tokens_per_s']:.2f} ({row['ratio']:.2f}x), identical rows "
+              f"{row['identical_rows']}")
+    for name, row in sampled.get("methods", {}).items():
+        print(f"T={args.temperature} {name:28}{row['tokens_per_s']:>8.2f} tok/s"
+              + ("" if "acceptance_length" not in row else
+                 f"   AL {row['acceptance_length']:.2f}"))
     print(f"wrote {out}")
+
+
+def batch_throughput(model, hf_model, prompts, eos, args):
+    """Plain greedy over left-padded batches of the prompts: project vs transformers."""
+    from megatron_specdec.generation import greedy_generate
+
+    out = {}
+    for size in args.batch_sizes:
+        tokens = {"project": 0, "transformers": 0}
+        seconds = {"project": 0.0, "transformers": 0.0}
+        same = total = 0
+        for i in range(0, len(prompts), size):
+            batch = [ids for _, ids in prompts[i: i + size]]
+            start = time.perf_counter()
+            ours = greedy_generate(model.base, batch, args.max_new_tokens, model.vocab_size, eos)
+            seconds["project"] += time.perf_counter() - start
+            start = time.perf_counter()
+            theirs = hf_batch(hf_model, batch, eos, args.max_new_tokens)
+            seconds["transformers"] += time.perf_counter() - start
+            tokens["project"] += sum(map(len, ours))
+            tokens["transformers"] += sum(map(len, theirs))
+            same += sum(a == b for a, b in zip(ours, theirs))
+            total += len(batch)
+        rates = {k: tokens[k] / seconds[k] for k in tokens}
+        out[size] = {"project_tokens_per_s": rates["project"],
+                     "transformers_tokens_per_s": rates["transformers"],
+                     "ratio": rates["project"] / rates["transformers"],
+                     "identical_rows": f"{same}/{total}"}
+    return out
+
+
+def hf_batch(hf_model, batch, eos, max_new_tokens):
+    """transformers greedy on a left-padded batch; each row cut at its first stop token."""
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                do_sample=False, eos_token_id=list(eos), pad_token_id=0)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def sampling_speed(model, hf_model, prompts, eos, args):
+    """tokens/s of sampling at --temperature: transformers, project plain, project
+    speculative (the draft module, n-gram); seeded per prompt, outputs differ by design."""
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.metrics import acceptance_summary
+    from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.generation import greedy_generate
+
+    if not args.temperature:
+        return {}
+    n, t = args.max_new_tokens, args.temperature
+    generators = {f"project {model.algo} speculative": SpeculativeGenerator(model),
+                  "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
+    stats = {name: [0.0, 0, []] for name in
+             ["transformers sampling", "project plain sampling", *generators]}
+    for i, (_, ids) in enumerate(prompts):
+        start = time.perf_counter()
+        torch.manual_seed(i)
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=True,
+                                    temperature=t, top_k=0, top_p=1.0, eos_token_id=list(eos),
+                                    pad_token_id=0)
+        stats["transformers sampling"][0] += time.perf_counter() - start
+        stats["transformers sampling"][1] += out.shape[1] - len(ids)
+        start = time.perf_counter()
+        plain = greedy_generate(model.base, [ids], n, model.vocab_size, eos, temperature=t,
+                                generator=torch.Generator().manual_seed(i))[0]
+        stats["project plain sampling"][0] += time.perf_counter() - start
+        stats["project plain sampling"][1] += len(plain)
+        for name, generator in generators.items():
+            start = time.perf_counter()
+            result = generator.generate(ids, n, eos, sampling=Sampling(t, seed=i))
+            stats[name][0] += time.perf_counter() - start
+            stats[name][1] += len(result.tokens)
+            stats[name][2].append(result)
+    methods = {}
+    for name, (seconds, tokens, results) in stats.items():
+        methods[name] = {"tokens_per_s": tokens / seconds}
+        if results:
+            methods[name]["acceptance_length"] = acceptance_summary(
+                [a for r in results for a in r.accepted], results[0].num_draft_tokens,
+                [d for r in results for d in r.drafted])["acceptance_length"]
+    return {"temperature": t, "top_k": 0, "top_p": 1.0, "methods": methods}
 
 
 def plot(report, path, title):

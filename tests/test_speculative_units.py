@@ -175,7 +175,8 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     assert run.returncode == 0, run.stderr[-3000:]
     sampled = json.loads((sampled_out / "acceptance.json").read_text())
     assert sampled["algo"] == "ngram" and "identical_to_greedy" not in sampled
-    assert sampled["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0, "seed": 3}
+    assert sampled["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0, "seed": 3,
+                                   "one_hot_drafts": False}
 
     missing = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",

@@ -70,10 +70,13 @@ class BaseRunner:
     def length(self) -> int:
         return self.stage.length
 
-    def step(self, tokens: Tensor, positions=None, attention_mask=None) -> Optional[BaseOutput]:
+    def step(self, tokens: Tensor, positions=None, attention_mask=None,
+             last_only: bool = False) -> Optional[BaseOutput]:
         """Append tokens [b, s] to the cache (positions and mask: see StageRunner.step); the
-        last stage gets a BaseOutput."""
-        logits = self.stage.step(tokens, positions=positions, attention_mask=attention_mask)
+        last stage gets a BaseOutput (with `last_only`, the logits of the last position only:
+        a prefill needs no others)."""
+        logits = self.stage.step(tokens, last_only=last_only, positions=positions,
+                                 attention_mask=attention_mask)
         captured = self.stage.captured
         last_rank = self.stage.last_rank
         aux = []

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 import time
+from functools import partial
 
 import torch
 
@@ -158,7 +159,7 @@ class SpeculativeGenerator:
         width = k if self.tree is None else self.tree.num_nodes(k)
         max_length = prompt.shape[1] + max_new_tokens + width + 1
         runner = BaseRunner(self.model, 1, max_length)
-        out = clock("base", runner.step, prompt)
+        out = clock("base", partial(runner.step, last_only=True), prompt)
         pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
         if runner.last:
             last = out.logits[:, -1]
