@@ -10,6 +10,7 @@ callers that never write any (training checkpoints) refuse.
 """
 
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -59,16 +60,19 @@ def dist_metadata(path):
         with open(source, "rb") as f:
             metadata = _MetadataUnpickler(f, source).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        raise UnsafeCheckpoint(f"{source} is not a torch dist-checkpoint metadata pickle: {e}") from None
+        raise UnsafeCheckpoint(
+            f"{source} is not a torch dist-checkpoint metadata pickle: {e}") from None
     common = path / COMMON
     if common.is_file():
         try:
             torch.load(common, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
-            reason = str(e).splitlines()[-1] if str(e) else type(e).__name__
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            reason = (f"it refers to {found.group(1)}" if found
+                      else "torch's weights-only loader refused it")
             raise UnsafeCheckpoint(
                 f"{common} holds more than tensors and plain values (loading it could run "
-                f"code): {reason}; not loaded") from None
+                f"code: {reason}); not loaded") from None
     return metadata
 
 
