@@ -1,0 +1,177 @@
+"""vLLM (the CPU build in .venv-vllm, run through megatron_specdec/engines) serves the drafts
+export_draft writes, as users deploy them.
+
+SmolLM2 (fp32) with a live EAGLE3 draft (tests/live_draft.py: a fitted linear draft that vLLM
+accepts tokens from) over a 2048-id draft vocabulary, imported into a speculative checkpoint
+saved at TP=2 and exported by export_draft in fp32 and bf16, plus a two-layer draft:
+
+- vLLM's speculative output equals vLLM's greedy output, which equals the project's
+  greedy_generate on the same fp32 weights, token for token;
+- vLLM accepts the draft's tokens, and serves an export without d2t silently dead, which is
+  why `export_draft --verify-with vllm` checks the files and the acceptance length;
+- `--verify-with vllm` passes the good export and names the fault of broken ones.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_specdec import distributed
+from megatron_specdec.engines import verify_export
+from megatron_specdec.engines import vllm_client as vllm
+
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
+
+NEW_TOKENS = 32
+K = 3
+DRAFT_VOCAB = 2048
+FIT_DATA = Path(__file__).resolve().parents[1] / "data" / "smollm2_regen.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """Skip (with the install's reason) only where vLLM could not be installed."""
+    try:
+        python = vllm.vllm_python()
+    except vllm.EngineUnavailableError as e:
+        failed = vllm.REPO / ".venv-vllm" / ".install-failed"
+        if failed.is_file():
+            pytest.skip(f"vLLM could not be installed: {failed.read_text().strip()}")
+        pytest.fail(str(e))
+    return python
+
+
+def _project_greedy(prompts, out_file):
+    """The project's greedy continuations of SmolLM2 (fp32)."""
+    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.hf_conversion import model_from_hf
+
+    distributed.initialize(1, 1)
+    model, config = model_from_hf("default")
+    torch.save(greedy_generate(model.eval(), prompts, NEW_TOKENS, config.vocab_size), out_file)
+
+
+@pytest.fixture(scope="module")
+def served(vllm_env, default_hf_dir, tmp_path_factory):
+    """Exports (TP=2 checkpoints -> export_draft), the project's greedy, and one vLLM process
+    serving greedy and every draft on the same prompts."""
+    from checkpoint_tools import export_draft
+    from megatron_specdec.export.draft_import import import_eagle3
+    from megatron_specdec.hf_conversion import hf_to_megatron
+
+    import live_draft
+
+    root = tmp_path_factory.mktemp("engines")
+    prompts = verify_export.chat_prompts(default_hf_dir)
+    distributed.spawn(_project_greedy, 1, prompts, str(root / "greedy.pt"))
+    hf_to_megatron("default", root / "base", tp=2)  # query groups padded for TP=2
+    live, exports = live_draft.fit(default_hf_dir, FIT_DATA, DRAFT_VOCAB), {}
+    for layers in (1, 2):
+        hf = live_draft.write(live, default_hf_dir, root / f"live{layers}", layers)
+        ckpt = root / f"spec{layers}_tp2"
+        import_eagle3(hf, root / "base", ckpt, tp=2)
+        for dtype in (("float32", "bfloat16") if layers == 1 else ("float32",)):
+            out = root / f"export{layers}_{dtype}"
+            export_draft.main(["--ckpt", str(ckpt), "--out", str(out), "--dtype", dtype])
+            exports[f"eagle3_{layers}layer_{dtype}"] = out
+    exports["no_d2t"] = broken(exports["eagle3_1layer_float32"], root / "no_d2t", drop="d2t")
+    runs = {"greedy": None, **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}
+    results = vllm.generate(default_hf_dir, prompts, NEW_TOKENS, runs)
+    (root / "vllm_results.json").write_text(json.dumps(
+        {n: {k: v for k, v in vars(r).items() if k != "outputs"} for n, r in results.items()}))
+    return {"root": root, "prompts": prompts, "exports": exports, "results": results,
+            "project_greedy": torch.load(root / "greedy.pt")}
+
+
+def broken(src, dst, drop=None, rename=None, config=None):
+    """A copy of an export with a tensor dropped or renamed, or config keys replaced (a dict
+    value updates the key's dict)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if rename:
+        tensors[rename[1]] = tensors.pop(rename[0])
+    save_file(tensors, str(dst / "model.safetensors"))
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        for key, value in config.items():
+            cfg[key] = dict(cfg[key], **value) if isinstance(value, dict) else value
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_vllm_speculative_output_is_its_greedy_and_the_projects(served):
+    results = served["results"]
+    for name, result in results.items():
+        assert result.error is None, (name, result.error, result.where)
+    greedy = results["greedy"].outputs
+    assert greedy == served["project_greedy"], "vLLM greedy != the project's greedy_generate"
+    for name in served["exports"]:
+        assert results[name].outputs == greedy, name
+        assert results[name].tokens == NEW_TOKENS * len(served["prompts"]), name
+
+
+def test_vllm_accepts_the_exported_draft(served):
+    results = served["results"]
+    for name in ("eagle3_1layer_float32", "eagle3_1layer_bfloat16", "eagle3_2layer_float32"):
+        r = results[name]
+        assert r.drafts > 0 and r.draft_tokens == K * r.drafts, name
+        assert r.acceptance_length >= verify_export.MIN_ACCEPTANCE_LENGTH, (name, r)
+        assert r.accepted_per_position[0] > 0, (name, r.accepted_per_position)
+
+
+def test_vllm_serves_an_export_without_d2t_without_complaint(served):
+    """vLLM loads it without an error (draft id d is served as target id d) and stays
+    lossless: nothing in vLLM says the mapping is gone, so only a check of the files (below)
+    catches it."""
+    r = served["results"]["no_d2t"]
+    assert r.error is None and r.drafts > 0
+    assert r.outputs == served["results"]["greedy"].outputs
+
+
+def test_export_draft_verify_with_vllm(served, capsys, caplog):
+    """The flag on the TP=2 checkpoint: the base is written to a temporary HF directory."""
+    from checkpoint_tools import export_draft
+
+    out = served["root"] / "verified"
+    caplog.set_level("INFO", logger="megatron_specdec.engines.verify_export")
+    export_draft.main(["--ckpt", str(served["root"] / "spec1_tp2"), "--out", str(out),
+                       "--verify-with", "vllm"])
+    assert "greedy-identical on 3 prompts" in caplog.text
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".verify_base_")]
+
+
+@pytest.mark.parametrize("fault,edit,message", [
+    ("renamed tensor", {"rename": ("midlayer.hidden_norm.weight", "midlayer.hiddennorm.weight")},
+     "midlayer.hiddennorm.weight"),
+    ("missing d2t", {"drop": "d2t"}, "'d2t'"),
+    ("aux ids of the two numberings disagree", {"config": {"eagle_aux_hidden_state_layer_ids":
+                                                           [1, 14, 26]}},
+     "name different layers"),
+])
+def test_verify_names_a_broken_export_before_serving(served, default_hf_dir, fault, edit,
+                                                     message):
+    bad = broken(served["exports"]["eagle3_1layer_float32"],
+                 served["root"] / fault.replace(" ", "_"), **edit)
+    with pytest.raises(verify_export.VerificationError, match=message):
+        verify_export.verify_eagle3(bad, default_hf_dir)
+
+
+def test_verify_catches_wrong_aux_layers_only_vllm_can_see(served, default_hf_dir):
+    """Both numberings agree but name other layers: the files are consistent, vLLM serves the
+    draft without complaint, and the acceptance floor (here half-way between a dead draft and
+    what vLLM measured on the good export) reports it with the layers vLLM read. (Listing
+    the right layers in another order is no fault to vLLM: it collects them in layer order.)"""
+    wrong = {"eagle_aux_hidden_state_layer_ids": [5, 10, 20],
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [4, 9, 19]}}
+    bad = broken(served["exports"]["eagle3_1layer_float32"], served["root"] / "aux_wrong",
+                 config=wrong)
+    good = served["results"]["eagle3_1layer_float32"].acceptance_length
+    with pytest.raises(verify_export.VerificationError,
+                       match=r"draft is dead as served.*entering base layers \[5, 10, 20\]"):
+        verify_export.verify_eagle3(bad, default_hf_dir, min_acceptance_length=(1 + good) / 2)
