@@ -63,9 +63,9 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
         model = build(algo)
         greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
         plain = SpeculativeGenerator(model, K, tree=tree, policy="fixed").generate(PROMPT, NEW)
+        results[f"{algo}-adaptive"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
+            model, K, tree=tree, policy=DraftPolicy(K, THRESHOLD[algo])).generate(PROMPT, NEW)}
         if tree is None:
-            results[f"{algo}-adaptive"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
-                model, K, policy=DraftPolicy(K, THRESHOLD[algo])).generate(PROMPT, NEW)}
             results[f"ngram-{algo}"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
                 model, K, drafter_kind="ngram").generate(PROMPT, NEW)}
         generator = SpeculativeGenerator(model, K, tree=oracle_tree, policy="fixed")

@@ -58,6 +58,15 @@ def test_grow_tree_hand_made():
     assert TreeSpec(3).num_nodes(4) == 3 + 3 * 9 and TreeSpec(3, 9).num_nodes(4) == 9
     assert torch.equal(grow_tree(root, expand, depth, TreeSpec(1)).parents,
                        torch.tensor([-1, 0, 1, 2]))
+    # A confidence floor keeps exactly the candidates at or above it (ancestor-closed), or none.
+    everything = sorted(_all_candidates(root, table, depth, 3), key=lambda c: -c[0])
+    floor = everything[7][0]
+    tree = grow_tree(root, expand, depth, TreeSpec(3), floor=floor)
+    kept = {_path(tree, i) for i in range(tree.tokens.numel())}
+    assert kept == {tuple(int(t) for t in p) for score, p in everything if score >= floor}
+    assert all(p[:-1] in kept for p in kept if len(p) > 1)
+    empty = grow_tree(root, expand, depth, TreeSpec(3), floor=float(root.max()) + 1e-3)
+    assert empty.tokens.numel() == 0
 
 
 def _path(tree, i):
@@ -141,8 +150,8 @@ def test_tree_forward_and_compaction_equal_chain(eagle3):
 def test_top1_tree_is_the_chain(eagle3):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
 
-    chain = SpeculativeGenerator(eagle3, K).generate(PROMPT, 16)
-    tree = SpeculativeGenerator(eagle3, K, tree=TreeSpec(1)).generate(PROMPT, 16)
+    chain = SpeculativeGenerator(eagle3, K, policy="fixed").generate(PROMPT, 16)
+    tree = SpeculativeGenerator(eagle3, K, tree=TreeSpec(1), policy="fixed").generate(PROMPT, 16)
     assert tree.tokens == chain.tokens and tree.accepted == chain.accepted
     with pytest.raises(ValueError, match="max_nodes"):
         SpeculativeGenerator(eagle3, K, tree=TreeSpec(2, max_nodes=2))
@@ -155,8 +164,11 @@ def test_tree_equals_greedy(tp, pp, tmp_path):
     for algo, got in torch.load(out, weights_only=False).items():
         assert got["plain"].tokens == got["greedy"], algo
         assert all(0 <= a <= K for a in got["plain"].accepted), algo
-        assert got["oracle"].tokens == got["greedy"], algo
-        assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
+        if "oracle" in got:
+            assert got["oracle"].tokens == got["greedy"], algo
+            assert got["oracle"].accepted == expected_accepts(K, NEW, WRONG_AT), algo
+        else:  # adaptive: unconfident trees are shallower, or empty (a plain step)
+            assert len(set(got["plain"].drafted)) > 1, (algo, got["plain"].drafted)
 
 
 @pytest.mark.slow

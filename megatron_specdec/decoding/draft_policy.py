@@ -6,6 +6,7 @@ confidence threshold the drafter stops as soon as the chance that the whole chai
 accepted, estimated by the product of the draft's own top-token probabilities (EAGLE-2's
 proxy), falls below it; when even the first token is below it the round drafts nothing and
 is a plain decoding step. Drafters without probabilities (n-gram) draft whatever they find.
+A draft tree keeps only the nodes whose cumulative probability reaches the threshold.
 
 Drafting nothing still costs the draft model's reading of each new base state. So after a
 round that drafted nothing the drafter sits out `backoff` rounds (1, 2, 4, ... up to
@@ -14,6 +15,7 @@ forward: a draft that never pays costs little more than plain decoding, and one 
 confident in stretches is back within a few tokens.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +41,11 @@ class DraftPolicy:
         if self.threshold is None or drafted:
             return 0
         return min(self.max_backoff, 2 * backoff or 1)
+
+    @property
+    def tree_floor(self) -> float:
+        """The cumulative log-prob a draft tree node needs (tree.grow_tree)."""
+        return float("-inf") if not self.threshold else math.log(self.threshold)
 
     def keeps(self, chain_prob: float) -> bool:
         """Whether a draft token whose chain (it and the drafts before it) is accepted with

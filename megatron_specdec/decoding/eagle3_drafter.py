@@ -145,9 +145,11 @@ class Eagle3Drafter:
             return empty, None
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
 
-    def propose_tree(self, depth: int, spec: TreeSpec) -> DraftTree:
-        """A draft tree (target ids) of `depth` levels after the newest real position, grown
-        as tree.py describes. Leaves the drafter as it found it, like `propose`."""
+    def propose_tree(self, depth: int, spec: TreeSpec,
+                     floor: float = float("-inf")) -> DraftTree:
+        """A draft tree (target ids) of at most `depth` levels after the newest real position,
+        grown as tree.py describes (`floor`: the cumulative log-prob a node needs). Leaves the
+        drafter as it found it, like `propose`."""
         real_hidden, real_logits = self._last
         size = self.module.draft_vocab_size
         outputs = {}  # expanded candidate -> its output hidden state [1, b, h]
@@ -165,7 +167,8 @@ class Eagle3Drafter:
             outputs.update((c, out[i:i + 1]) for i, c in enumerate(frontier.tolist()))
             return vocab_parallel_log_probs(logits, size)
 
-        tree = grow_tree(vocab_parallel_log_probs(real_logits, size)[0], expand, depth, spec)
+        tree = grow_tree(vocab_parallel_log_probs(real_logits, size)[0], expand, depth, spec,
+                         floor)
         self._truncate(self.length)
         return DraftTree(self.target_ids[tree.tokens], tree.parents)
 

@@ -247,29 +247,37 @@ class SpeculativeGenerator:
                                        generator=self._rng)
 
     def _verify_tree(self, runner, pending):
-        """The same round over a draft tree; the accepted path's cache entries are compacted."""
+        """The same round over a draft tree of up to n nodes (none: a plain step); the
+        accepted path's cache entries are compacted."""
         k, n = self.k, self.tree.num_nodes(self.k)
-        tree = torch.zeros(2, n, dtype=torch.long, device=pending.device)
-        if runner.last:
+        tree = torch.zeros(2, n + 1, dtype=torch.long, device=pending.device)
+        if runner.last:  # tokens and parents, then the node count: one broadcast
             if self._unread:  # trees draft every round: at most one round unread
                 (new, states), = self._unread
                 self._clock("draft", self.drafter.accept, new.shape[1] - 1, new, states)
                 self._unread = []
-            drafted = self._clock("draft", self.drafter.propose_tree, k, self.tree)
-            tree = torch.stack([drafted.tokens, drafted.parents])
+            drafted = self._clock("draft", self.drafter.propose_tree, k, self.tree,
+                                  self.policy.tree_floor)
+            m = drafted.tokens.numel()
+            tree[:, :m] = torch.stack([drafted.tokens, drafted.parents])
+            tree[0, n] = m
         runner.broadcast_from_last(tree)
-        tokens, parents = tree[0:1], tree[1:2]
+        m = int(tree[0, n])
+        tokens, parents = tree[0:1, :m], tree[1:2, :m]
         start = runner.length  # pending's slot
         positions, mask = verify_layout(parents[0], start)
         out = self._clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
                           mask)
-        verdict = torch.zeros(1, 2 * k + 2, dtype=torch.long, device=pending.device)
+        verdict = torch.zeros(1, 2 * k + 3, dtype=torch.long, device=pending.device)
         if runner.last:
-            emitted, counts, path = tree_verify(tokens, parents, out.logits, max_depth=k)
-            verdict = torch.cat([emitted, path, counts[:, None]], dim=1)
+            emitted, counts, path = tree_verify(tokens, parents, out.logits)
+            depth = path.shape[1]
+            verdict[:, : depth + 1] = emitted
+            verdict[:, k + 1: k + 1 + depth] = path
+            verdict[0, -2], verdict[0, -1] = depth, counts[0]
         runner.broadcast_from_last(verdict)
-        accepted = int(verdict[0, -1])
+        depth, accepted = int(verdict[0, -2]), int(verdict[0, -1])
         path = verdict[0, k + 1: k + 1 + accepted]
         runner.compact(start + 1, start + 1 + path)
         kept = torch.cat([path.new_zeros(1), path + 1])
-        return accepted, k, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None
+        return accepted, depth, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None

@@ -48,11 +48,13 @@ class MedusaDrafter:
         return torch.stack([vocab_parallel_argmax(l[0], self.heads.vocab_offset) for l in logits],
                            dim=1)
 
-    def propose_tree(self, depth: int, spec: TreeSpec) -> DraftTree:
+    def propose_tree(self, depth: int, spec: TreeSpec,
+                     floor: float = float("-inf")) -> DraftTree:
+        """Head d's top-k under every depth-d node; `floor`: see tree.grow_tree."""
         heads = [vocab_parallel_log_probs(logits, self.vocab_size)
                  for logits in self.heads(self._hidden)[:depth]]
         return grow_tree(heads[0][0], lambda _, frontier, d: heads[d].expand(len(frontier), -1),
-                         depth, spec)
+                         depth, spec, floor)
 
     def accept(self, num_accepted: int, new_tokens: Tensor, out):
         self._hidden = out.hidden[num_accepted: num_accepted + 1]

@@ -41,10 +41,10 @@ class OracleDrafter:
         own = self.inner.propose(k)
         return torch.tensor([self._answer(k)], dtype=own.dtype, device=own.device)
 
-    def propose_tree(self, depth, spec):
+    def propose_tree(self, depth, spec, floor=float("-inf")):
         if self.vocab_size is None:
             raise ValueError("an oracle tree needs vocab_size (for its wrong tokens)")
-        own = self.inner.propose_tree(depth, spec)
+        own = self.inner.propose_tree(depth, spec)  # the full tree: the answer needs depth
         seen = ancestors(own.parents)
         depths = seen.sum(1)
         deepest = int((depths == depths.max()).nonzero().max())

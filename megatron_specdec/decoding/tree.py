@@ -6,8 +6,9 @@ cumulative draft log-probability are expanded, each into its own top-k children,
 children stay candidates. Finally the `max_nodes` candidates of highest cumulative log-prob
 are kept. A child's score is its parent's plus a log-prob <= 0, so with ties going to the
 earlier (shallower) candidate the kept set always contains every kept node's ancestors.
-The node count, k + (depth - 1) * k * k capped at `max_nodes`, depends only on the spec, so
-every rank knows the shape of the tree it will receive.
+The node count is at most k + (depth - 1) * k * k, capped at `max_nodes`. With a confidence
+floor (an adaptive DraftPolicy) only candidates whose cumulative probability reaches it are
+expanded or kept, so an unconfident draft grows a small tree, or none (a plain step).
 
 The flattened tree lists nodes in growth order (parents before children), `parents[i]` = -1
 for children of the root: the layout `acceptance.tree_verify` takes. The base verifies
@@ -58,16 +59,20 @@ class DraftTree:
     parents: Tensor
 
 
-def grow_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec) -> DraftTree:
+def grow_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec,
+              floor: float = float("-inf")) -> DraftTree:
     """root: log-probs [V] of the token after the root. expand(candidates, frontier, d): the
     log-probs [len(frontier), V] of the children of the candidates `frontier` (indices into
-    `candidates`, a DraftTree of everything grown so far), all at depth d. Tokens come back
-    in the id space of the log-probs."""
+    `candidates`, a DraftTree of everything grown so far), all at depth d. Candidates whose
+    cumulative log-prob is below `floor` are neither expanded nor kept. Tokens come back in
+    the id space of the log-probs."""
     k = spec.top_k
     scores, tokens = root.float().topk(k)
     parents = torch.full((k,), -1, dtype=torch.long, device=root.device)
-    frontier = torch.arange(k, device=root.device)
+    frontier = torch.arange(k, device=root.device)[scores >= floor]
     for d in range(1, depth):
+        if not frontier.numel():
+            break
         logprobs = expand(DraftTree(tokens, parents), frontier, d)
         top, ids = logprobs.float().clamp(max=0).topk(k, dim=-1)
         child_scores = (scores[frontier, None] + top).flatten()
@@ -75,8 +80,10 @@ def grow_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec) -> Dra
         tokens = torch.cat([tokens, ids.flatten()])
         parents = torch.cat([parents, frontier.repeat_interleave(k)])
         scores = torch.cat([scores, child_scores])
-        frontier = first + child_scores.topk(k).indices.sort().values
+        best = child_scores.topk(min(k, child_scores.numel()))
+        frontier = first + best.indices[best.values >= floor].sort().values
     order = scores.sort(descending=True, stable=True).indices
+    order = order[scores[order] >= floor]
     keep = order[: spec.num_nodes(depth)].sort().values
     # One spare entry, left at -1, is where the root's children (parent -1) look up.
     new_index = torch.full((tokens.numel() + 1,), -1, dtype=torch.long, device=root.device)
