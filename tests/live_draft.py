@@ -7,8 +7,8 @@ regression from the aux states at position t (the base's residual stream after l
 1, 14, 26 = transformers hidden_states[2, 15, 27]) to the direction of the base's final hidden
 state at t + 1, which the base's final norm and lm_head rows (copied into the draft) turn into
 the token at t + 2: what the draft's first step predicts. vLLM accepts 16 of its 79 drafts
-on the suite's 3 prompts (AL 1.20 at k = 3), and about half as many with other aux layers.
-The ridge is light: a heavy one (0.1) fits a constant guess that no aux fault changes.
+on the suite's 3 prompts (AL 1.20 at k = 3), and fewer than half as many when fed other aux
+layers. The ridge is light: with a heavy one (0.1) acceptance did not move with the layers.
 """
 
 import gzip
