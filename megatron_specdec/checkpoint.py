@@ -14,6 +14,9 @@ reader of the path sees the old complete checkpoint or the new one, never nothin
 version is removed only after the swap, so a reader still inside it then loses it: replacing
 a checkpoint while another process loads it is not supported. Unlike swapping directories
 (renameat2 RENAME_EXCHANGE) this works on every POSIX filesystem, NFS and Lustre included.
+Exports and HF directories are committed as plain directories (`linked=False`): users copy
+them to other machines, where a link would dangle. A new one is renamed into place
+atomically; one replaced with --overwrite is moved aside first (a brief gap).
 """
 
 import json
@@ -71,13 +74,26 @@ def atomic_dir(path):
     return tmp
 
 
-def commit_dir(tmp, path):
+def commit_dir(tmp, path, linked: bool = True):
     """Make the complete directory `tmp` the content of `path` with no moment where `path`
     holds neither the old nor the new one (see the module notes); the old one is removed
     after. A real directory at `path` (written before links were used) cannot be replaced
-    atomically by a link: it is renamed aside just before the link takes its place."""
+    atomically by a link: it is renamed aside just before the link takes its place.
+    `linked=False`: `path` becomes a plain directory (exports, HF directories)."""
     tmp, path = Path(tmp), Path(path)
     tag = uuid.uuid4().hex[:8]
+    if not linked:
+        version = _own_version(path)
+        old = None
+        if path.exists() or path.is_symlink():
+            old = path.parent / f".{path.name}.old-{tag}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            old.unlink() if old.is_symlink() else shutil.rmtree(old, ignore_errors=True)
+        if version is not None:
+            shutil.rmtree(version, ignore_errors=True)
+        return
     version = path.parent / f".{path.name}.v-{tag}"
     os.rename(tmp, version)
     link = path.parent / f".{path.name}.link-{tag}"

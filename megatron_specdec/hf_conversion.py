@@ -188,7 +188,7 @@ def megatron_to_hf(ckpt_dir, out_dir, overwrite=False):
         save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp / HF_WEIGHTS),
                   metadata={"format": "pt"})
         checkpoint.copy_tokenizer(Path(ckpt_dir) / checkpoint.TOKENIZER_DIR, tmp)
-        checkpoint.commit_dir(tmp, out_dir)
+        checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():
             import shutil

@@ -137,7 +137,7 @@ def export_eagle3(ckpt_dir, out_dir, dtype=None, overwrite=False):
     tmp = checkpoint.atomic_dir(out_dir)
     try:
         write(tmp, config, tensors)
-        checkpoint.commit_dir(tmp, out_dir)
+        checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():
             import shutil

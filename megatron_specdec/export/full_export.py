@@ -53,7 +53,7 @@ def export_full(ckpt_dir, out_dir, overwrite=False):
         _EXPORTERS[algo](ckpt_dir, tmp / algo)
         hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR)
         write_index(tmp / BASE_DIR)
-        checkpoint.commit_dir(tmp, out_dir)
+        checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

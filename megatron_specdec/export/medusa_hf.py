@@ -56,7 +56,7 @@ def export_medusa(ckpt_dir, out_dir, dtype=None, overwrite=False):
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        checkpoint.commit_dir(tmp, out_dir)
+        checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():
             import shutil
