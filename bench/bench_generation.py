@@ -10,6 +10,10 @@ hits all of them alike:
 - the project's speculative generation: the draft module with a fixed chain of k and with the
   adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting.
 
+- vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy and n-gram (k=3), in its
+  own process on the same prompts (engines/vllm_client.py; it ignores end-of-sequence, so its
+  output is compared with the project's greedy up to the project's stop).
+
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
 speculative run's time goes (drafting, base forwards, the rest), and acceptance length per
@@ -123,6 +127,7 @@ def main():
                    help="also draft a tree with this branching")
     p.add_argument("--tree-max-nodes", type=int, default=None)
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling comparison at this temperature (0: skip it)")
     p.add_argument("--out", default=str(RESULTS))
@@ -183,6 +188,8 @@ def main():
                             for d in r.drafted])["acceptance_length"]
                            for c in sorted({c for c, _ in prompts})})
         report[name] = row
+    engine = vllm_rows(tokenizer_dir, prompts, eos, base["outputs"], hf_rate, own_rate, args)
+    report.update(engine)
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args)
     result = {
@@ -208,13 +215,15 @@ def main():
     for name, row in report.items():
         line = (f"{name:30}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
                 f"{row['vs_project_greedy']:>8.2f}")
-        if "acceptance_length" in row:
+        if "time_share" in row:
             share = row["time_share"]
             line += (f"{row['acceptance_length']:>6.2f}{row['mean_drafted']:>8.2f}"
                      f"{row['identical_to_project_greedy']:>4}/{len(prompts)}"
                      f"  {share['draft']:.2f}/{share['base_forwards']:.2f}/{share['rest']:.2f}")
         else:
-            line += f"{'':>14}{row['identical_to_project_greedy']:>4}/{len(prompts)}"
+            al = row.get("acceptance_length")
+            line += (f"{'' if al is None else f'{al:.2f}':>6}{'':>8}"
+                     f"{row['identical_to_project_greedy']:>4}/{len(prompts)}")
         print(line)
     for b, row in batched.items():
         print(f"batch {b}: project {row['project_tokens_per_s']:.2f} tok/s, transformers "
@@ -225,6 +234,35 @@ def main():
               + ("" if "acceptance_length" not in row else
                  f"   AL {row['acceptance_length']:.2f}"))
     print(f"wrote {out}")
+
+
+def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
+    """vLLM greedy and n-gram rows, or none (with the reason printed) without its env."""
+    from megatron_specdec.engines import vllm_client
+
+    if args.no_vllm:
+        return {}
+    runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
+    try:
+        results = vllm_client.generate(model_dir, [ids for _, ids in prompts],
+                                       args.max_new_tokens, runs)
+    except (vllm_client.EngineUnavailableError, vllm_client.EngineRunError) as e:
+        print(f"vLLM rows skipped: {e}")
+        return {}
+    rows = {}
+    for name, r in results.items():
+        if r.error:
+            print(f"{name}: {r.error}")
+            continue
+        same = 0
+        for out, ours in zip(r.outputs, greedy_outputs):
+            cut = next((i for i, t in enumerate(out) if t in eos), len(out))
+            same += out[:cut] == ours
+        rows[name] = {"tokens_per_s": r.tokens_per_s, "vs_transformers_greedy":
+                      r.tokens_per_s / hf_rate, "vs_project_greedy": r.tokens_per_s / own_rate,
+                      "identical_to_project_greedy": same,
+                      "acceptance_length": r.acceptance_length}
+    return rows
 
 
 def batch_throughput(model, hf_model, prompts, eos, args):
