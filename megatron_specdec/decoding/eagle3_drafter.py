@@ -90,59 +90,69 @@ class Eagle3Drafter:
         self._rope = self.rotary(max_length)
         self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1))
 
-    def propose(self, k: int, policy=None) -> Tensor:
-        """Up to k chained draft tokens [b, n] (target ids) after the newest real position;
-        a DraftPolicy with a threshold stops the chain where it is no longer confident
-        (n may be 0). Leaves the drafter as it found it (the chain's cache entries and
-        states are dropped)."""
+    def _chain(self, k: int, policy, pick):
+        """Up to k chained drafts after the newest real position. pick(logits) ->
+        (confidence, take); an adaptive policy stops the chain once the product of the
+        confidences falls below its threshold, otherwise take() -> (target ids [b], extra)
+        drafts the token (called only then: a sampler draws nothing for a dropped token).
+        Returns the ids and the extras; leaves the drafter as it found it (the chain's cache
+        entries and states are dropped)."""
         real = self._last
         hidden, logits = real
-        drafts, chain = [], 1.0
+        drafts, extras, chain = [], [], 1.0
         for i in range(k):
             if i:
                 self._step(hidden, drafts[-1][:, None])
                 hidden, logits = self._last
-            if policy is not None and policy.threshold is not None:
-                chain *= float(vocab_parallel_log_probs(logits, self.module.draft_vocab_size)
-                                .max().exp())
-                if not policy.keeps(chain):
-                    break
-            drafts.append(self._argmax(logits))
+            confidence, take = pick(logits)
+            chain *= confidence
+            if policy is not None and not policy.keeps(chain):
+                break
+            ids, extra = take()
+            drafts.append(ids)
+            extras.append(extra)
         self._truncate(self.length)
         self._last = real
+        return drafts, extras
+
+    def propose(self, k: int, policy=None) -> Tensor:
+        """Up to k greedy chained draft tokens [b, n] (target ids; n may be 0)."""
+        size = self.module.draft_vocab_size
+        confident = policy is not None and policy.threshold is not None
+
+        def pick(logits):
+            confidence = (float(vocab_parallel_log_probs(logits, size).max().exp())
+                          if confident else 1.0)  # the softmax only when the policy reads it
+            return confidence, lambda: (self._argmax(logits), None)
+
+        drafts, _ = self._chain(k, policy, pick)
         if not drafts:
-            return self.target_ids.new_zeros(logits.shape[1], 0)
+            return self.target_ids.new_zeros(self._last[1].shape[1], 0)
         return torch.stack(drafts, dim=1)
 
     def propose_sampled(self, k: int, policy, sampling, rng):
         """Up to k chained tokens sampled from the draft's own distribution (temperature,
         top-k, top-p over the draft vocabulary) and those distributions over the target
         vocabulary, ([b, n], [b, n, V] float64), for lossless verification with draft
-        probabilities. The chain stops as `propose` does (top probability as confidence)."""
+        probabilities. The chain stops as `propose`'s does (top probability as confidence)."""
         from megatron_specdec.acceptance.reference import target_probs
 
-        real = self._last
-        hidden, logits = real
-        drafts, probs, chain = [], [], 1.0
         vocab = self.module.t2d.numel()
-        for i in range(k):
-            if i:
-                self._step(hidden, drafts[-1][:, None])
-                hidden, logits = self._last
+
+        def pick(logits):
             q = target_probs(vocab_parallel_gather(logits, self.module.draft_vocab_size),
                              sampling.temperature, sampling.top_k, sampling.top_p)
-            chain *= float(q.max())
-            if policy is not None and not policy.keeps(chain):
-                break
-            drafts.append(self.target_ids[torch.multinomial(q, 1, generator=rng)[:, 0]])
-            full = q.new_zeros(q.shape[0], vocab)
-            full[:, self.target_ids] = q
-            probs.append(full)
-        self._truncate(self.length)
-        self._last = real
+
+            def take():
+                full = q.new_zeros(q.shape[0], vocab)
+                full[:, self.target_ids] = q
+                return self.target_ids[torch.multinomial(q, 1, generator=rng)[:, 0]], full
+
+            return float(q.max()), take
+
+        drafts, probs = self._chain(k, policy, pick)
         if not drafts:
-            empty = self.target_ids.new_zeros(logits.shape[1], 0)
-            return empty, None
+            return self.target_ids.new_zeros(self._last[1].shape[1], 0), None
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
 
     def propose_tree(self, depth: int, spec: TreeSpec,
