@@ -169,16 +169,14 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
                     top_k: int = 0):
     """Continuations of `prompts` (lists of token ids), stopping a row at any id in `eos_ids`
     (not included in its result) or after `max_new_tokens`. `vocab_size` is the unpadded
-    vocabulary. Greedy by default; `temperature` > 0 samples (after top-p) from the last
-    stage's `generator` (after top-k, then top-p), which data synthesis uses to draw diverse
-    prompts. All
-    model-parallel ranks call this with the same prompts; every rank returns the result."""
-    from megatron_specdec.acceptance.reference import target_probs
+    vocabulary. Greedy by default; `temperature` > 0 samples (after top-k, then top-p) from
+    the last stage's `generator`, as decoding.sampling.Sampling does for speculative
+    sampling; data synthesis uses it to draw diverse prompts. All model-parallel ranks call
+    this with the same prompts; every rank returns the result."""
+    from megatron_specdec.decoding.sampling import Sampling
     from megatron_specdec.distributed import device
 
-    from megatron_specdec.decoding.sampling import Sampling
-
-    Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
+    sampler = Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
     tokens, padding = left_pad(prompts, 0, device())
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
@@ -193,8 +191,7 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
         if runner.last and temperature == 0:
             next_tokens = logits[:, -1].argmax(-1)
         elif runner.last:
-            probs = target_probs(logits[:, -1], temperature, top_k=top_k, top_p=top_p)
-            next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            next_tokens = sampler.sample(logits[:, -1], generator)
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done
         # One device->host copy per step, not one per row.
