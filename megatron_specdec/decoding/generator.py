@@ -189,11 +189,7 @@ class SpeculativeGenerator:
         if self._skip:
             self._skip -= 1
             return torch.zeros(1, 0, dtype=torch.long, device=self._unread[0][0].device)
-        if self._unread:
-            tokens = torch.cat([t for t, _ in self._unread], dim=1)
-            states = BaseOutput.cat([o for _, o in self._unread])
-            self._clock("draft", self.drafter.accept, tokens.shape[1] - 1, tokens, states)
-            self._unread = []
+        self._catch_up()
         s = self._sampling
         if s is not None and not s.one_hot_drafts and hasattr(self.drafter, "propose_sampled"):
             drafts, self._draft_probs = self._clock(
@@ -204,6 +200,14 @@ class SpeculativeGenerator:
             self._backoff = self._skip = self.policy.next_backoff(self._backoff,
                                                                   drafts.shape[1])
         return drafts
+
+    def _catch_up(self):
+        """The drafter reads the base states of the rounds it has not seen, in one call."""
+        if self._unread:
+            tokens = torch.cat([t for t, _ in self._unread], dim=1)
+            states = BaseOutput.cat([o for _, o in self._unread])
+            self._clock("draft", self.drafter.accept, tokens.shape[1] - 1, tokens, states)
+            self._unread = []
 
     def _clock(self, part: str, fn, *args):
         """fn(*args), its wall time added to the current result's `seconds[part]`."""
@@ -252,10 +256,7 @@ class SpeculativeGenerator:
         k, n = self.k, self.tree.num_nodes(self.k)
         tree = torch.zeros(2, n + 1, dtype=torch.long, device=pending.device)
         if runner.last:  # tokens and parents, then the node count: one broadcast
-            if self._unread:  # trees draft every round: at most one round unread
-                (new, states), = self._unread
-                self._clock("draft", self.drafter.accept, new.shape[1] - 1, new, states)
-                self._unread = []
+            self._catch_up()
             drafted = self._clock("draft", self.drafter.propose_tree, k, self.tree,
                                   self.policy.tree_floor)
             m = drafted.tokens.numel()
