@@ -135,22 +135,25 @@ class SpeculativeGPTModel(MegatronModule):
     def draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
         """The draft's loss report from the last stage's base state (online forward and the
         offline trainer, which replays dumped states, share it)."""
-        hidden, base_logits = self.base_head(state.residual)
-        vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
         if self.algo == "medusa":
+            hidden, base_logits = self.base_head(state.residual)
+            vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
             return losses.medusa_loss(self.draft(hidden), input_ids, loss_mask,
                                       self.spec_config.medusa_head_weights, vocab_offset)
-        cfg = self.spec_config
+        cfg, draft = self.spec_config, self.draft
+        b, s = input_ids.shape
+        masks = losses.chain_masks(loss_mask, attention_mask, cfg.ttt_steps)
+        rows = masks[0].nonzero().squeeze(1)  # positions u step 0 scores, s-major over [s, b]
+        _, base_logits = self.base_head(state.residual.reshape(s * b, 1, -1)[rows + b])  # u+1
         aux = torch.cat(state.aux, dim=-1)
         next_embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])  # token u+1 at u
-        step_logits = self.draft.training_time_test(
-            aux, next_embeds, self.rotary_pos_emb(input_ids.shape[1]), attention_mask,
-            cfg.ttt_steps,
-        )
+        step_logits = draft.training_time_test(
+            aux, next_embeds, self.rotary_pos_emb(s), attention_mask, cfg.ttt_steps, rows)
         return losses.eagle3_loss(
-            step_logits, base_logits, loss_mask, self.draft.target_ids(),
-            cfg.padded_draft_vocab_size, self.draft.vocab_offset, vocab_offset,
-            self.vocab_size, cfg.ttt_decay, attention_mask,
+            step_logits, base_logits, masks[:, rows], draft.target_ids(), draft.t2d,
+            cfg.padded_draft_vocab_size, draft.vocab_offset,
+            ps.get_tensor_model_parallel_rank() * base_logits.shape[-1], self.vocab_size,
+            cfg.ttt_decay,
         )
 
     # ---- checkpoints ------------------------------------------------------------------

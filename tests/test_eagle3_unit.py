@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron_specdec import distributed, spec_config
 from megatron_specdec.families import rope_settings
 from megatron_specdec.layers import losses
-from megatron_specdec.layers.eagle3_module import ttt_attention_mask
+from megatron_specdec.layers.ttt_attention import TTTMask, ttt_attention
 from megatron_specdec.spec_config import SpecConfigError
 
 
@@ -49,15 +49,60 @@ def test_config_errors_name_the_problem(algo, config, message):
     assert message in str(e.value)
 
 
-# ---- training-time test mask --------------------------------------------------------------
+# ---- training-time test attention ---------------------------------------------------------
+def dense_ttt_mask(base_mask, s, step):
+    """The dense [b|1, 1, s, (step+1)*s] mask of TTT step `step` (True = may not attend):
+    row u sees the base mask's row u-step over the step-0 keys and, of each later step j,
+    the single key at u-step+j."""
+    if base_mask is None:
+        base_mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    rows = torch.arange(s) - step
+    blocks = [base_mask[..., rows.clamp(min=0), :] | (rows < 0)[:, None]]
+    u = torch.arange(s)
+    for j in range(1, step + 1):
+        blocks.append((u[None, :] != (u - step + j)[:, None]).expand(*blocks[0].shape[:-2], s, s))
+    return torch.cat(blocks, dim=-1)
+
+
 def test_ttt_mask_follows_the_chain():
     s, k = 6, 2
-    allowed = ~ttt_attention_mask(None, s, k)[0, 0]  # [s, 3s]
+    allowed = ~dense_ttt_mask(None, s, k)[0, 0]  # [s, 3s]
     u = 4  # chain from the real prefix ending at u-k = 2
     assert allowed[u, :s].nonzero().flatten().tolist() == [0, 1, 2]
     assert allowed[u, s:2 * s].nonzero().flatten().tolist() == [3]  # step-1 key at 3
     assert allowed[u, 2 * s:].nonzero().flatten().tolist() == [4]  # its own step-2 key
-    assert allowed.any(-1).all()  # no row without a key (positions u < k are never scored)
+    assert torch.equal(~TTTMask(None, k).prefix_mask(s, None)[0, 0], allowed[:, :s])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_structured_ttt_attention_equals_dense_mask(packed, step):
+    """ttt_attention (one s x s block plus one key per later step) against softmax attention
+    over every block's keys with the dense mask: outputs and gradients, GQA 4 heads / 2 groups."""
+    g = torch.Generator().manual_seed(step)
+    s, b, heads, groups, d = 9, 2, 4, 2, 8
+    base = None
+    if packed:  # two sequences per row, split at 4 and 6
+        seg = torch.tensor([[0] * 4 + [1] * 5, [0] * 6 + [1] * 3])
+        base = (seg[:, :, None] != seg[:, None, :]) | torch.ones(s, s, dtype=torch.bool).triu(1)
+        base = base[:, None]
+    q = torch.randn(s, b, heads, d, generator=g, requires_grad=True)
+    blocks = [(torch.randn(s, b, groups, d, generator=g, requires_grad=True),
+               torch.randn(s, b, groups, d, generator=g, requires_grad=True))
+              for _ in range(step + 1)]
+    got = ttt_attention(q, blocks, TTTMask(base, step), d ** -0.5)
+    keys = torch.cat([k for k, _ in blocks]).repeat_interleave(heads // groups, 2)
+    values = torch.cat([v for _, v in blocks]).repeat_interleave(heads // groups, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, keys) * d ** -0.5
+    probs = scores.masked_fill(dense_ttt_mask(base, s, step), float("-inf")).softmax(-1)
+    want = torch.einsum("bhst,tbhd->sbhd", probs, values).reshape(s, b, heads * d)
+    assert torch.allclose(got, want, atol=1e-6)
+    weight = torch.randn(s, b, heads * d, generator=g)
+    leaves = [q] + [t for block in blocks for t in block]
+    got_grads = torch.autograd.grad((got * weight).sum(), leaves)
+    want_grads = torch.autograd.grad((want * weight).sum(), leaves)
+    for a, w in zip(got_grads, want_grads):
+        assert torch.allclose(a, w, atol=1e-6)
 
 
 # ---- vocab-parallel soft cross-entropy ----------------------------------------------------
@@ -69,7 +114,7 @@ def test_soft_cross_entropy_matches_plain_softmax(one_process):
     logits = torch.randn(n, padded, generator=g).requires_grad_()
     masked = logits.masked_fill(torch.arange(padded) >= draft, float("-inf"))
     target = losses.draft_target_logits(base, target_ids, padded)
-    got = losses.soft_cross_entropy(masked, losses.target_probs(target))
+    got = losses.soft_cross_entropy(masked, losses.target_probs(target), draft)
     got.sum().backward()
     ref_logits = logits.detach()[:, :draft].clone().requires_grad_()
     p = torch.softmax(base[:, target_ids], -1)

@@ -43,7 +43,8 @@ def _starts(n):
 def megatron_chains(model, prompt_ids):
     """Step-0 logits at every position, and greedy chains of STEPS draft tokens from each start
     (step k at position t0+k reads the embedding of the token drafted at step k-1)."""
-    from megatron_specdec.layers.eagle3_module import shift_right, ttt_attention_mask
+    from megatron_specdec.layers.eagle3_module import shift_right
+    from megatron_specdec.layers.ttt_attention import TTTMask
 
     draft, cfg = model.draft, model.spec_config
     ids = torch.tensor([prompt_ids])
@@ -58,7 +59,7 @@ def megatron_chains(model, prompt_ids):
         for k in range(1 if t0 is None else STEPS):
             if k:
                 hidden = shift_right(hidden)
-            mask = ttt_attention_mask(None, s, k)
+            mask = TTTMask(None, k)
             hidden, step_logits = draft.step(embeds, hidden, rope, mask, kv)
             if t0 is None:
                 out["step0"] = step_logits[: s - 1, 0, : cfg.draft_vocab_size].clone()

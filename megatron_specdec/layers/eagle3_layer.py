@@ -22,6 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_specdec.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.layers.ttt_attention import TTTMask, ttt_attention
 
 KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
 
@@ -38,21 +39,27 @@ class Eagle3Attention(SelfAttention):
     """Self-attention whose keys/values accumulate in a caller-owned block list.
 
     Each call appends this call's (rotated) keys and values to `kv_blocks` and attends over
-    all blocks with an explicit boolean mask [b|1, 1, s_q, s_kv] (True = may not attend).
+    all blocks with an explicit boolean mask [b|1, 1, s_q, s_kv] (True = may not attend), or,
+    in training-time test, a `TTTMask` (the same attention without the dense mask).
     """
 
     def forward(self, hidden_states: Tensor, rotary_pos_emb: Optional[Tensor],
-                attention_mask: Tensor, kv_blocks: KVBlocks) -> Tensor:
+                attention_mask: Union[Tensor, TTTMask], kv_blocks: KVBlocks) -> Tensor:
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb, config=self.config)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
         kv_blocks.append((key, value))
-        keys = torch.cat([k for k, _ in kv_blocks]).contiguous()
-        values = torch.cat([v for _, v in kv_blocks]).contiguous()
-        context = self.core_attention(
-            query, keys, values, attention_mask, attn_mask_type=AttnMaskType.arbitrary
-        )
+        if isinstance(attention_mask, TTTMask):
+            core = self.core_attention
+            context = ttt_attention(query, kv_blocks, attention_mask, core.softmax_scale,
+                                    core.attention_dropout)
+        else:
+            keys = torch.cat([k for k, _ in kv_blocks]).contiguous()
+            values = torch.cat([v for _, v in kv_blocks]).contiguous()
+            context = self.core_attention(
+                query, keys, values, attention_mask, attn_mask_type=AttnMaskType.arbitrary
+            )
         output, bias = self.linear_proj(context)
         return output if bias is None else output + bias
 

@@ -20,33 +20,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from megatron_specdec.layers.sharded import ShardedModuleList
 from megatron_specdec.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.layers.ttt_attention import TTTMask
 
 
 @dataclass
 class Eagle3ModuleSubmodules:
     layers: List[ModuleSpec] = field(default_factory=list)
     final_layernorm: object = IdentityOp
-
-
-def ttt_attention_mask(base_mask: Optional[Tensor], seq_len: int, step: int,
-                       device=None) -> Tensor:
-    """Mask [b|1, 1, s, (step+1)*s] (True = may not attend) of training-time-test step `step`.
-
-    Step k's query at position u continues the chain that started from the real prefix
-    ending at u-k: it sees step-0 keys the base mask allows for row u-k, and, for each
-    earlier step j >= 1, the single key of the same chain at position u-k+j.
-    """
-    s = seq_len
-    if base_mask is None:
-        base_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)[None, None]
-    rows = torch.arange(s, device=base_mask.device) - step
-    prefix = base_mask[..., rows.clamp(min=0), :] | (rows < 0)[:, None]
-    blocks = [prefix]
-    u = torch.arange(s, device=base_mask.device)
-    for j in range(1, step + 1):
-        diag = u[None, :] != (u - step + j)[:, None]
-        blocks.append(diag.expand(*prefix.shape[:-2], s, s))
-    return torch.cat(blocks, dim=-1)
 
 
 def shift_right(hidden: Tensor) -> Tensor:
@@ -86,6 +66,7 @@ class Eagle3Module(MegatronModule):
             torch.arange(self.vocab_offset, self.vocab_offset + per_rank) >= draft_vocab_size,
             persistent=False,
         )
+        self._pads = bool(self._padded_ids.any())  # TP ranks without padded columns skip masking
 
     def target_ids(self) -> Tensor:
         """Target id of every draft id, int64 [draft_vocab_size]."""
@@ -134,20 +115,28 @@ class Eagle3Module(MegatronModule):
         with `last_only` the logits of the last position only (drafting reads no others)."""
         for layer, blocks in zip(self.layers, kv_blocks):
             hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
-        logits, _ = self.lm_head(self.final_layernorm(hidden[-1:] if last_only else hidden))
-        return hidden, logits.masked_fill(self._padded_ids, float("-inf"))
+        return hidden, self.head(hidden[-1:] if last_only else hidden)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final norm and lm_head: [..., h] -> this rank's draft logits (padded = -inf)."""
+        logits, _ = self.lm_head(self.final_layernorm(hidden))
+        return logits.masked_fill(self._padded_ids, float("-inf")) if self._pads else logits
 
     def training_time_test(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
-                           base_mask: Optional[Tensor], ttt_steps: int) -> List[Tensor]:
+                           base_mask: Optional[Tensor], ttt_steps: int,
+                           rows: Optional[Tensor] = None) -> List[Tensor]:
         """Draft logits of every unrolled step; step k is fed step k-1's output shifted by one
-        position (see `ttt_attention_mask`)."""
+        position and attends as `TTTMask` says. With `rows` (indices into the [s*b] positions,
+        s-major) the logits of those positions only, [n, 1, Dp/TP]: the loss reads no others."""
         hidden = self.project(aux)
+        s, b, h = hidden.shape
         kv_blocks = [[] for _ in self.layers]
         logits = []
         for k in range(ttt_steps):
             if k:
                 hidden = shift_right(hidden)
-            mask = ttt_attention_mask(base_mask, hidden.shape[0], k, hidden.device)
-            hidden, step_logits = self.step(embeds, hidden, rotary_pos_emb, mask, kv_blocks)
-            logits.append(step_logits)
+            for layer, blocks in zip(self.layers, kv_blocks):
+                hidden = layer(hidden, embeds, rotary_pos_emb, TTTMask(base_mask, k), blocks)
+            out = hidden if rows is None else hidden.reshape(s * b, 1, h).index_select(0, rows)
+            logits.append(self.head(out))
         return logits

@@ -77,26 +77,31 @@ def target_probs(target_logits: Tensor) -> Tensor:
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """-sum_d p_d log q_d per token, both distributions split over TP on the same columns."""
+    """-sum_d p_d log q_d per token, both distributions split over TP on the same columns.
+
+    Since p sums to one, this is logsumexp(x) - sum_d p_d x_d: no [N, D] log q is formed, and
+    only the first `valid` local columns enter the dot product (the rest are padding, -inf
+    logits with p = 0)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, p: Tensor):
-        q_exp, q_max, q_sum = _split_softmax(logits)
-        log_q = logits.float() - q_max[:, None] - torch.log(q_sum)[:, None]
-        loss = _all_reduce(-torch.where(p > 0, p * log_q, torch.zeros_like(p)).sum(-1))
+    def forward(ctx, logits: Tensor, p: Tensor, valid: int):
+        x = logits.float()
+        q_exp, q_max, q_sum = _split_softmax(x)
+        dot = _all_reduce((p[:, :valid] * x[:, :valid]).sum(-1))
         ctx.save_for_backward(q_exp.div_(q_sum[:, None]), p)
-        return loss
+        return q_max + torch.log(q_sum) - dot
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, p = ctx.saved_tensors
-        return (q - p) * grad[:, None], None
+        return (q - p) * grad[:, None], None, None
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor) -> Tensor:
+def soft_cross_entropy(logits: Tensor, probs: Tensor, valid: Optional[int] = None) -> Tensor:
     """Per-token soft cross-entropy [N] of vocab-parallel logits against vocab-parallel target
-    probabilities `probs` (from `target_probs`; softmax over the whole, split, vocabulary)."""
-    return _SoftCrossEntropy.apply(logits, probs)
+    probabilities `probs` (from `target_probs`; softmax over the whole, split, vocabulary);
+    `valid`: this rank's columns before its padding (default all)."""
+    return _SoftCrossEntropy.apply(logits, probs, logits.shape[-1] if valid is None else valid)
 
 
 def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
@@ -121,37 +126,47 @@ def _chain_mask(loss_mask: Tensor, attention_mask: Optional[Tensor], step: int) 
     return mask
 
 
-def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, loss_mask: Tensor,
-                target_ids: Tensor, padded_draft_vocab: int, draft_offset: int, base_offset: int,
-                vocab_size: int, decay: float, attention_mask: Optional[Tensor] = None) -> dict:
-    """Training-time-test loss. step_logits[k]: [s, b, Dp/TP]; base_logits [s, b, Vp/TP];
-    loss_mask [b, s], token aligned (1 = token t is a target); attention_mask as the model's.
+def chain_masks(loss_mask: Tensor, attention_mask: Optional[Tensor], steps: int) -> Tensor:
+    """[steps, s*b] masks (s-major, as [s, b] flattened) of the positions each TTT step
+    scores; every step's positions are among step 0's."""
+    return torch.stack([_chain_mask(loss_mask, attention_mask, k).reshape(-1)
+                        for k in range(steps)])
 
-    The draft output at position u scores token u+2 against the base distribution at u+1;
-    step k only scores positions u >= k (its chain starts from the real prefix ending at u-k).
+
+def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, masks: Tensor,
+                target_ids: Tensor, t2d: Tensor, padded_draft_vocab: int, draft_offset: int,
+                base_offset: int, vocab_size: int, decay: float) -> dict:
+    """Training-time-test loss over the n positions step 0 scores. step_logits[k]: the
+    draft's [n, 1, Dp/TP] at those positions; base_logits: [n, 1, Vp/TP], the base one
+    position later (the draft output at u scores token u+2 against the base at u+1);
+    masks: [steps, n] (`chain_masks` at those positions).
+
+    As upstream EAGLE-3: a position whose base top-1 token is outside the draft vocabulary
+    adds no loss (the draft cannot emit that token) but counts in the accuracy's
+    denominator; the loss is normalised by every position step 0 scores.
     """
-    s, b, _ = base_logits.shape
-    following = torch.cat([base_logits[1:], base_logits[-1:]])  # base at u+1
-    flat = following.reshape(s * b, -1)
+    flat = base_logits.reshape(base_logits.shape[0], -1)
     target = target_probs(draft_target_logits(flat, target_ids, padded_draft_vocab))
     with torch.no_grad():
         padded = torch.arange(base_offset, base_offset + flat.shape[1], device=flat.device)
         base_top = vocab_parallel_argmax(flat.masked_fill(padded >= vocab_size, float("-inf")),
                                          base_offset)
+        in_vocab = t2d[base_top].float()
+    valid = max(0, min(target.shape[1], target_ids.numel() - draft_offset))
     total = 0.0
     stats = {"step_loss": [], "step_correct": [], "step_count": []}
     for k, logits in enumerate(step_logits):
-        mask = _chain_mask(loss_mask, attention_mask, k).reshape(-1)
-        ce = soft_cross_entropy(logits.reshape(s * b, -1), target)
-        step_sum = (ce * mask).sum()
+        logits = logits.reshape(logits.shape[0], -1)
+        ce = soft_cross_entropy(logits, target, valid)
+        step_sum = (ce * (masks[k] * in_vocab)).sum()
         total = total + decay ** k * step_sum
         with torch.no_grad():
-            draft_top = vocab_parallel_argmax(logits.reshape(s * b, -1), draft_offset)
+            draft_top = vocab_parallel_argmax(logits, draft_offset)
             hit = (target_ids[draft_top] == base_top).float()
         stats["step_loss"].append(step_sum.detach())
-        stats["step_correct"].append((hit * mask).sum())
-        stats["step_count"].append(mask.sum())
-    return _pack(total, _shift_mask(loss_mask, 2).sum(), stats)
+        stats["step_correct"].append((hit * masks[k]).sum())
+        stats["step_count"].append(masks[k].sum())
+    return _pack(total, masks[0].sum(), stats)
 
 
 def medusa_loss(head_logits: List[Tensor], input_ids: Tensor, loss_mask: Tensor,

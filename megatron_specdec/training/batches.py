@@ -17,3 +17,12 @@ def model_batch(batch: dict, pack: bool) -> dict:
         out["attention_mask"] = packed_attention_mask(batch["segment_ids"])
     out.update({k: v for k, v in batch.items() if k in STATE_KEYS})
     return {k: v.to(distributed.device()) for k, v in out.items()}
+
+
+def step_batches(raw: list, pack: bool) -> list:
+    """One step's micro-batches in the model's terms, cut after the last non-padding position
+    of any of them: trailing padding changes nothing a real position computes (causal, and
+    positions count from the row start) but costs every layer. Every micro-batch of a step
+    keeps one length, as pipeline schedules require."""
+    length = max(int((b["segment_ids"] > 0).any(0).nonzero().max()) + 1 for b in raw)
+    return [model_batch({k: v[:, :length] for k, v in b.items()}, pack) for b in raw]

@@ -16,7 +16,7 @@ from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_speculative, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
                                        offline, optimizer)
-from megatron_specdec.training.batches import model_batch
+from megatron_specdec.training.batches import step_batches
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
                                               to_yaml)
@@ -89,9 +89,9 @@ def train(recipe) -> dict:
     acceptance = None
     while state.step < total:
         lr = optimizer.lr_at(state.step, recipe.optimizer, total)
-        step_batches = [model_batch(next(batches), recipe.data.pack) for _ in range(num_micro)]
+        micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack)
         opt.zero_grad()
-        reports = forward_backward(model, step_batches)
+        reports = forward_backward(model, micro)
         grad_norm = opt.step(lr)
         last = metrics.step_stats(reports, metrics.num_draft_steps(model.spec_config))
         state.step += 1

@@ -1,0 +1,86 @@
+"""The EAGLE3 training loss as trained: the position mask of upstream EAGLE-3, and the fast
+path (structured TTT attention, lm_head / base head / soft cross-entropy on scored rows only)
+against the dense computation it replaced, in fp32: losses and gradients within 1e-5."""
+
+import pytest
+import torch
+
+from megatron_specdec.layers import losses
+from megatron_specdec.layers.eagle3_module import shift_right
+
+from test_eagle3_unit import _tiny_model, dense_ttt_mask, one_process  # noqa: F401
+
+
+def test_positions_outside_the_draft_vocabulary_add_no_loss_but_count(one_process):
+    """Base top-1 outside the draft vocabulary: no loss, no gradient, still in the accuracy's
+    denominator (upstream: loss mask t2d[argmax(target)], accuracy over all loss positions)."""
+    g = torch.Generator().manual_seed(0)
+    n, vocab, draft = 6, 20, 8
+    target_ids = torch.arange(0, 16, 2)  # even ids are in the draft vocabulary
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[target_ids] = True
+    base = torch.randn(n, 1, vocab, generator=g)
+    base[[1, 4], 0, 17] = 50.0  # top-1 = 17: odd, outside
+    base[[0, 2, 3, 5], 0, 4] = 50.0  # top-1 = 4: draft id 2
+    logits = torch.randn(n, 1, draft, generator=g)
+    logits[:, 0, 2] = 30.0  # the draft's top-1 is draft id 2 everywhere
+    logits.requires_grad_()
+    masks = torch.ones(2, n)
+    out = losses.eagle3_loss([logits, logits], base, masks, target_ids, t2d, draft, 0, 0,
+                             vocab, 0.8)
+    out["loss_sum"].backward()
+    assert (logits.grad[[1, 4]] == 0).all() and (logits.grad[[0, 2, 3, 5]] != 0).any()
+    assert out["step_count"].tolist() == [6, 6] and out["step_correct"].tolist() == [4, 4]
+    assert int(out["num_tokens"]) == 6
+    p = torch.softmax(base[:, 0, target_ids], -1)
+    ce = -(p * torch.log_softmax(logits.detach()[:, 0], -1)).sum(-1)
+    assert torch.allclose(out["step_loss"][0], ce[[0, 2, 3, 5]].sum(), atol=1e-5)
+
+
+def _dense_loss(model, ids, loss_mask, attention_mask):
+    """The loss as computed before the fast path: dense TTT masks over every block's keys,
+    draft and base logits at every position, then the scored positions picked by mask."""
+    draft, cfg = model.draft, model.spec_config
+    b, s = ids.shape
+    state = model.run_base(ids, attention_mask)
+    _, base_logits = model.base_head(state.residual)  # [s, b, V]
+    following = torch.cat([base_logits[1:], base_logits[-1:]]).reshape(s * b, -1)
+    target_ids = draft.target_ids()
+    p = torch.softmax(following[:, target_ids], -1)
+    in_vocab = draft.t2d[following.argmax(-1)].float()
+    masks = losses.chain_masks(loss_mask, attention_mask, cfg.ttt_steps)
+    hidden = draft.project(torch.cat(state.aux, -1))
+    embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])
+    kv = [[] for _ in draft.layers]
+    total = 0.0
+    for k in range(cfg.ttt_steps):
+        if k:
+            hidden = shift_right(hidden)
+        hidden, logits = draft.step(embeds, hidden, model.rotary_pos_emb(s),
+                                    dense_ttt_mask(attention_mask, s, k), kv)
+        log_q = torch.log_softmax(logits.reshape(s * b, -1)[:, :draft.draft_vocab_size], -1)
+        ce = -(p * log_q).sum(-1)
+        total = total + cfg.ttt_decay ** k * (ce * masks[k] * in_vocab).sum()
+    return total
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fast_loss_equals_dense_loss_and_gradients(one_process, packed):
+    model, _, _ = _tiny_model(2)
+    g = torch.Generator().manual_seed(3)
+    b, s = 2, 12
+    ids = torch.randint(0, 512, (b, s), generator=g)
+    loss_mask = (torch.rand(b, s, generator=g) > 0.3).long()
+    attention_mask = None
+    if packed:
+        seg = torch.tensor([[1] * 5 + [2] * 7, [1] * 8 + [2] * 4])
+        attention_mask = ((seg[:, :, None] != seg[:, None, :])
+                          | torch.ones(s, s, dtype=torch.bool).triu(1))[:, None]
+    params = [p for p in model.draft.parameters() if p.requires_grad]
+    fast = model(ids, loss_mask, attention_mask)["loss_sum"]
+    fast_grads = torch.autograd.grad(fast, params)
+    dense = _dense_loss(model, ids, loss_mask, attention_mask)
+    dense_grads = torch.autograd.grad(dense, params)
+    assert float(fast) > 0 and torch.allclose(fast, dense, rtol=1e-5, atol=1e-5)
+    for name_grad, (a, w) in enumerate(zip(fast_grads, dense_grads)):
+        assert torch.allclose(a, w, rtol=1e-5, atol=1e-5), name_grad
