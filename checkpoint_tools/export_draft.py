@@ -26,13 +26,17 @@ from megatron_specdec.cli import run_cli
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="speculative checkpoint directory")
+    p.add_argument("--ckpt", required=True,
+                   help="speculative checkpoint directory, or a trainer's checkpoint")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--full", action="store_true",
                    help="also export the base model: OUT/base and OUT/<algo>")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the draft's weights (default: as trained; not with --full)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--max-shard-mb", type=float,
+                   help="EAGLE3: split the weights into safetensors files of at most this many "
+                        "MB with an index (e.g. 15 to commit under a 16 MB file limit)")
     p.add_argument("--verify-with", choices=("vllm",),
                    help="serve the EAGLE3 export in vLLM on a few prompts: its speculative "
                         "output must equal its greedy output and its acceptance length must "
@@ -48,9 +52,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     from megatron_specdec import checkpoint
-    from megatron_specdec.export import eagle3_hf, full_export, medusa_hf
+    from megatron_specdec.export import draft_source, eagle3_hf, full_export, medusa_hf
 
-    algo = checkpoint.read_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")
+    algo = draft_source.draft_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")
     if args.verify_with and algo != "eagle3":
         raise ValueError(f"--verify-with checks EAGLE3 exports; {args.ckpt} holds a {algo} "
                          f"draft (vLLM 0.32's Medusa support is described in the README)")
@@ -63,8 +67,14 @@ def main(argv=None):
                              "--full keeps the checkpoint's dtype")
         full_export.export_full(args.ckpt, args.out, overwrite=args.overwrite)
     else:
-        export = medusa_hf.export_medusa if algo == "medusa" else eagle3_hf.export_eagle3
-        export(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        if algo == "medusa":
+            if args.max_shard_mb:
+                raise ValueError("--max-shard-mb applies to EAGLE3 exports")
+            medusa_hf.export_medusa(args.ckpt, args.out, dtype=args.dtype,
+                                    overwrite=args.overwrite)
+        else:
+            eagle3_hf.export_eagle3(args.ckpt, args.out, dtype=args.dtype,
+                                    overwrite=args.overwrite, max_shard_mb=args.max_shard_mb)
     logging.getLogger("export_draft").info("wrote %s in %.1f s", args.out, time.time() - start)
     if args.verify_with:
         verify(args)

@@ -106,9 +106,10 @@ def test_read_conversations_validates_and_dedupes(tmp_path, caplog):
         (3, "no assistant"),
         (4, "'id'"),
         (5, "string 'content'"),
-        (6, "duplicate id 'a'"),
     ]:
         assert f"{path}:{lineno}" in caplog.text and reason in caplog.text
+    assert f"{path}: 1 row(s) repeat an earlier id and were skipped, keeping the first (lines 6 ('a'))" \
+        in caplog.text
     with pytest.raises(DataError, match=rf"{path}:2: roles must alternate"):
         read_conversations([path], on_error="fail")
 

@@ -296,3 +296,26 @@ def test_help(capsys):
         assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--full" in text and "--overwrite" in text and "--draft" in text
+
+
+def test_sharded_export_holds_the_same_tensors(ckpts, exported, tmp_path):
+    """--max-shard-mb: files under the limit, an index naming every tensor's file, and the
+    same tensors as the single-file export (read back as the importer and engines read)."""
+    from megatron_specdec.export.draft_import import read_hf_draft
+    from megatron_specdec.export.eagle3_hf import export_eagle3
+
+    limit_mb = 0.05
+    out = export_eagle3(ckpts / "eagle3_tp1", tmp_path / "sharded", max_shard_mb=limit_mb)
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) > 1 and not (out / "model.safetensors").exists()
+    for f in files:
+        tensors = load_file(str(f))
+        big = max(t.numel() * t.element_size() for t in tensors.values())
+        payload = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert payload <= limit_mb * 2**20 or len(tensors) == 1, (f, payload, big)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    config, sharded = read_hf_draft(out)
+    single_config, single = _read(exported["eagle3", "tp1"])
+    assert config == single_config and sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[k], single[k]) for k in single)

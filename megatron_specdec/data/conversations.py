@@ -41,7 +41,7 @@ def read_conversations(paths: Sequence, on_error: str = "skip") -> list:
         paths = [paths]
     rows, seen = [], set()
     for path in paths:
-        bad_rows = BadRows(on_error)
+        bad_rows, duplicates = BadRows(on_error), []
         for lineno, row in iter_jsonl(path, bad_rows):
             reason = validate_messages(row.get("conversations"))
             if reason is None and not isinstance(row.get("id"), str):
@@ -50,10 +50,14 @@ def read_conversations(paths: Sequence, on_error: str = "skip") -> list:
                 bad_rows.report(path, lineno, reason)
                 continue
             if row["id"] in seen:
-                log.warning("%s:%d: duplicate id %r, keeping the first", path, lineno, row["id"])
+                duplicates.append(f"{lineno} ({row['id']!r})")
                 continue
             seen.add(row["id"])
             rows.append(row)
+        if duplicates:  # one line per file: a re-read of overlapping shards is routine
+            log.warning("%s: %d row(s) repeat an earlier id and were skipped, keeping the first "
+                        "(lines %s%s)", path, len(duplicates), ", ".join(duplicates[:3]),
+                        ", ..." if len(duplicates) > 3 else "")
         bad_rows.summarize(path)
     return rows
 

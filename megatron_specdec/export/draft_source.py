@@ -18,9 +18,19 @@ class DraftSource:
     tensors: dict  # global tensors, names relative to the draft module (no `eagle3.` prefix)
 
 
-def read_draft(ckpt_dir, algo: str) -> DraftSource:
-    """The `algo` draft of a speculative checkpoint; a clear error for anything else."""
+def draft_meta(ckpt_dir) -> dict:
+    """A checkpoint's metadata with its draft entry under `draft`: a trainer's checkpoint
+    keeps it under `training_checkpoint` (its draft tensors are a speculative checkpoint's)."""
     meta = checkpoint.read_meta(ckpt_dir)
+    if "training_checkpoint" in meta:
+        meta = dict(meta, draft=meta["training_checkpoint"]["draft"])
+    return meta
+
+
+def read_draft(ckpt_dir, algo: str) -> DraftSource:
+    """The `algo` draft of a speculative or training checkpoint; a clear error for anything
+    else."""
+    meta = draft_meta(ckpt_dir)
     if "draft" not in meta:
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} holds no draft module (a base checkpoint): add one with "

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 
 
@@ -117,26 +118,47 @@ def hf_tensors(source: draft_source.DraftSource) -> dict:
     return draft_source.to_hf(eagle3.rules(cfg), source.tensors, geo, cfg.eagle_num_layers)
 
 
-def write(directory, config: dict, tensors: dict):
-    """config.json and model.safetensors into an existing directory (byte-reproducible)."""
+def write(directory, config: dict, tensors: dict, max_shard_mb=None):
+    """config.json and model.safetensors into an existing directory (byte-reproducible); with
+    `max_shard_mb`, files of at most that size (tensors in name order) and the index HF
+    readers and the engines follow, when one file would be larger."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    if limit is None or sum(size(t) for t in tensors.values()) <= limit:
+        save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+        return
+    shards, current = [], {}
+    for name in sorted(tensors):
+        if current and sum(size(t) for t in current.values()) + size(tensors[name]) > limit:
+            shards.append(current)
+            current = {}
+        current[name] = tensors[name]
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(size(t) for t in tensors.values())},
+             "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def export_eagle3(ckpt_dir, out_dir, dtype=None, overwrite=False):
-    """Write the EAGLE3 draft of a speculative checkpoint (any saved TP/PP) as an HF draft
-    directory. `dtype`: float32 | bfloat16 | float16 (default: as trained). Nothing is
-    written unless every tensor maps."""
+def export_eagle3(ckpt_dir, out_dir, dtype=None, overwrite=False, max_shard_mb=None):
+    """Write the EAGLE3 draft of a speculative or training checkpoint (any saved TP/PP) as an
+    HF draft directory. `dtype`: float32 | bfloat16 | float16 (default: as trained);
+    `max_shard_mb`: see `write`. Nothing is written unless every tensor maps."""
     checkpoint.check_output_dir(out_dir, overwrite)
     source = draft_source.read_draft(ckpt_dir, "eagle3")
     tensors = draft_source.cast(hf_tensors(source), dtype)
     config = hf_config(source.hf_config, source.cfg, dtype or source.meta["dtype"])
     tmp = checkpoint.atomic_dir(out_dir)
     try:
-        write(tmp, config, tensors)
+        write(tmp, config, tensors, max_shard_mb)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():

@@ -1,0 +1,168 @@
+"""Where a draft's training agreement and its acceptance in the loop part ways.
+
+For each prompt, greedy speculative generation (chain of k, fixed length) runs first; then
+the same draft is run teacher-forced over prompt + continuation as in training (training-time
+test, every position at once). Three figures per TTT step k:
+
+- `teacher_forced`: top-1 agreement with the base's next token over every continuation
+  position (what the trainer's accuracy measures, here on these prompts);
+- `at_round_starts`: the same, restricted to the positions where the loop drafted (round
+  start + k, the round having accepted k tokens): the loop's sample of positions;
+- `in_loop`: the loop's acceptance at draft position k+1 given k accepted.
+
+A draft whose inference matches its training gives `at_round_starts == in_loop` up to
+near-ties (`mismatches` counts the positions where they disagree); a gap between
+`teacher_forced` on the training data and on these prompts is distribution shift.
+
+    python bench/bench_draft_gap.py --model SPEC_CKPT [--num-prompts 16] [--train-rows 16]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "draft_gap.json"
+
+
+@torch.no_grad()
+def draft_hits(model, tokens, k):
+    """[k, s] bool: TTT step j's draft top-1 at position u equals the base's top-1 at u+1
+    (the token u+2 of a greedy continuation); positions without a target are False."""
+    draft = model.draft
+    ids = torch.tensor([tokens])
+    s = ids.shape[1]
+    state = model.run_base(ids)
+    _, base_logits = model.base_head(state.residual)
+    base_top = base_logits[:, 0, : model.vocab_size].argmax(-1)  # [s]
+    aux = torch.cat(state.aux, -1)
+    embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])
+    steps = draft.training_time_test(aux, embeds, model.rotary_pos_emb(s), None, k)
+    target_ids = draft.target_ids()
+    hits = torch.zeros(k, s, dtype=torch.bool)
+    for j, logits in enumerate(steps):
+        pred = target_ids[logits[:, 0, : draft.draft_vocab_size].argmax(-1)]
+        hits[j, : s - 2] = pred[: s - 2] == base_top[1: s - 1]
+    return hits
+
+
+def loop_positions(prompt_len, accepted, length, k):
+    """[(TTT step j, position u, accepted?)] of every draft the loop verified: round i's
+    pending token sits at r_i, its draft j scores token r_i+1+j, i.e. TTT step j at
+    u = r_i-1+j; drafts past the first rejection were not verified given their prefix."""
+    out, r = [], prompt_len
+    for a in accepted:
+        for j in range(min(a + 1, k)):
+            if r + 1 + j < length:
+                out.append((j, r - 1 + j, j < a))
+        r += a + 1
+    return out
+
+
+def measure(model, tokenizer, prompts, k, max_new_tokens):
+    from megatron_specdec.data import end_of_turn_ids
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(model, k, policy="fixed")
+    eos = end_of_turn_ids(tokenizer)
+    tf, starts, loop, mismatches, rounds = [[0, 0] for _ in range(k)], \
+        [[0, 0] for _ in range(k)], [[0, 0] for _ in range(k)], 0, 0
+    for ids in prompts:
+        result = gen.generate(ids, max_new_tokens, eos)
+        full = list(ids) + result.tokens
+        hits = draft_hits(model, full, k)
+        first = len(ids) - 1  # position P-1 scores token P+1, the first the loop drafts
+        for j in range(k):
+            row = hits[j, first + j: len(full) - 2]
+            tf[j][0] += int(row.sum())
+            tf[j][1] += row.numel()
+        for j, u, ok in loop_positions(len(ids), result.accepted, len(full), k):
+            starts[j][0] += int(hits[j, u])
+            starts[j][1] += 1
+            loop[j][0] += int(ok)
+            loop[j][1] += 1
+            mismatches += int(hits[j, u]) != int(ok)
+        rounds += len(result.accepted)
+    rate = lambda c: [round(a / n, 4) if n else None for a, n in c]  # noqa: E731
+    return {"teacher_forced": rate(tf), "at_round_starts": rate(starts), "in_loop": rate(loop),
+            "verified_drafts": sum(n for _, n in loop), "mismatches": mismatches,
+            "rounds": rounds}
+
+
+@torch.no_grad()
+def train_agreement(model, tokenizer, files, rows, k, seq_length=512):
+    """Teacher-forced step-j agreement on the first `rows` conversations of the training data
+    (assistant tokens only, as the trainer scores them)."""
+    from megatron_specdec.data import ConversationDataset
+
+    dataset = ConversationDataset.from_files(files, tokenizer, seq_length, False, 0, "skip")
+    hit, count = torch.zeros(k), torch.zeros(k)
+    for i in range(min(rows, len(dataset))):
+        row = dataset[i]
+        n = int((row["segment_ids"] > 0).sum())
+        tokens = row["input_ids"][:n].tolist()
+        hits = draft_hits(model, tokens, k)
+        target = row["loss_mask"][:n].bool()
+        for j in range(k):
+            scored = torch.zeros(n, dtype=torch.bool)
+            scored[j: n - 2] = target[j + 2:]  # position u scores token u+2
+            hit[j] += hits[j][scored].sum()
+            count[j] += scored.sum()
+    return [round(float(h / c), 4) if c else None for h, c in zip(hit, count)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="speculative checkpoint with an EAGLE3 draft")
+    p.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "mt_bench.jsonl"))
+    p.add_argument("--num-prompts", type=int, default=16, help="spread over the file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=7)
+    p.add_argument("--train-data", nargs="*", default=[str(REPO / "data" / "smollm2_regen.jsonl.gz"),
+                                                       str(REPO / "data" / "smollm2_regen_general.jsonl.gz")])
+    p.add_argument("--train-rows", type=int, default=16)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+
+    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.decoding.validate import read_prompts
+    from megatron_specdec.distributed import initialize
+    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.data import load_tokenizer
+
+    setup_logging()
+    initialize(1, 1)
+    model, _, _ = load_speculative(args.model)
+    model.eval()
+    tokenizer = load_tokenizer(str(Path(args.model) / "tokenizer"))
+    every = read_prompts(args.prompts, tokenizer)
+    stride = max(1, len(every) // args.num_prompts)
+    prompts = [ids for _, ids in every[::stride][: args.num_prompts]]
+    start = time.time()
+    report = {"model": args.model, "prompts": f"{args.prompts}, every {stride}th, "
+                                              f"{len(prompts)} prompts",
+              "max_new_tokens": args.max_new_tokens, "k": args.k,
+              **measure(model, tokenizer, prompts, args.k, args.max_new_tokens)}
+    files = [f for f in args.train_data if Path(f).is_file()]
+    report["train_teacher_forced"] = train_agreement(model, tokenizer, files, args.train_rows,
+                                                     args.k)
+    report["train_data"] = f"{files}, first {args.train_rows} conversations"
+    report["seconds"] = round(time.time() - start, 1)
+    print(f"{'TTT step':>8} {'train TF':>9} {'prompts TF':>10} {'round starts':>12} {'in loop':>8}")
+    for j in range(args.k):
+        cells = [report["train_teacher_forced"][j], report["teacher_forced"][j],
+                 report["at_round_starts"][j], report["in_loop"][j]]
+        print(f"{j:>8} " + " ".join(f"{'-' if c is None else c:>{w}}"
+                                    for c, w in zip(cells, (9, 10, 12, 8))))
+    print(f"loop drafts verified: {report['verified_drafts']}, disagreeing with teacher forcing:"
+          f" {report['mismatches']}; rounds {report['rounds']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
