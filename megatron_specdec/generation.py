@@ -25,20 +25,21 @@ class StageRunner:
 
     def __init__(self, model, batch_size: int, max_length: int, vocab_size: int,
                  capture_ids=(), capture_final: bool = False):
-        from megatron.core import parallel_state as ps
-
         from megatron_specdec.layers.decode_attention import DecodeCache
 
         self.model = model
         self.vocab_size = vocab_size
         self.context = DecodeCache(batch_size, max_length)
         self.rotary = model.rotary_pos_emb(max_length)  # [max_length, 1, 1, rotary dim]
-        self.first = ps.is_pipeline_first_stage()
-        self.last = ps.is_pipeline_last_stage()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
-        self.next_rank = ps.get_pipeline_model_parallel_next_rank()
-        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+        # The model's own groups, not the global ones: a draft model runs in its own layout
+        # (decoding/draft_model_drafter.py) beside the target's.
+        self.first, self.last = model.pre_process, model.post_process
+        self.pp_group = model.pg_collection.pp
+        stages = dist.get_process_group_ranks(self.pp_group)
+        here = stages.index(dist.get_rank())
+        self.prev_rank = stages[here - 1]
+        self.next_rank = stages[(here + 1) % len(stages)]
+        self.last_rank = stages[-1]
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.params_dtype
         self.key_padding = None
@@ -122,7 +123,8 @@ class StageRunner:
             self.captured["final"] = hidden
         weight = (model.shared_embedding_or_output_weight()
                   if model.share_embeddings_and_output_weights else model.output_layer.weight)
-        logits = gather_from_tensor_model_parallel_region(rows_linear(hidden, weight))
+        logits = gather_from_tensor_model_parallel_region(rows_linear(hidden, weight),
+                                                          group=model.tp_group)
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
     def rewind(self, n: int):

@@ -77,11 +77,13 @@ def layer_spec(config, impl: str):
 
 
 def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_impl="auto",
-                        max_sequence_length=None, padding=None, **config_overrides):
+                        max_sequence_length=None, padding=None, pg_collection=None,
+                        **config_overrides):
     """A `model_provider(pre_process, post_process, vp_stage=None)` for `hf_config`.
 
     `padding` ({"query_groups", "vocab_size"}) is the padding a checkpoint was saved with;
-    by default the padding for `tp`.
+    by default the padding for `tp`. `pg_collection`: the model's process groups (default:
+    megatron's global ones).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -109,6 +111,7 @@ def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_
                 getattr(hf_config, "tie_word_embeddings", False)
             ),
             vp_stage=vp_stage,
+            pg_collection=pg_collection,
             **rope,
         )
 

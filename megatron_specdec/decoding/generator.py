@@ -9,7 +9,8 @@ every stage rewinds its base cache by the n - a rejected positions and the draft
 the base states of the a + 1 kept ones. Drafters: EAGLE3, Medusa, or prompt lookup (n-gram).
 The emitted sequence is the base's own greedy continuation, so it matches
 generation.greedy_generate token for token (up to float ties between a k+1-token and a
-1-token forward).
+1-token forward). A separate GPT of the target's vocabulary can draft instead
+(`drafter_kind="draft-model"`, draft_model_drafter.py).
 
 With `tree=TreeSpec(top_k, max_nodes)` the last stage drafts a tree of depth k instead
 (tree.py), all stages verify [pending, nodes] in one base forward under the tree mask, the
@@ -54,7 +55,7 @@ def default_num_draft_tokens(model) -> int:
     return cfg.ttt_steps if model.algo == "eagle3" else cfg.medusa_num_heads
 
 
-DRAFTERS = ("eagle3", "medusa", "ngram")
+DRAFTERS = ("eagle3", "medusa", "ngram", "draft-model")
 
 
 def check_drafter_kind(model, kind: str = None) -> str:
@@ -62,18 +63,29 @@ def check_drafter_kind(model, kind: str = None) -> str:
     kind = kind or model.algo
     if kind not in DRAFTERS:
         raise ValueError(f"drafter {kind!r}; expected one of {DRAFTERS}")
-    if kind != "ngram" and kind != model.algo:
+    if kind not in ("ngram", "draft-model") and kind != model.algo:
         raise ValueError(f"drafter {kind!r} needs a model whose draft module is {kind}; "
                          f"this one's is {model.algo}")
     return kind
 
 
-def build_drafter(model, kind: str = None):
+def build_drafter(model, kind: str = None, draft_model=None):
     """This stage's drafter of `kind` (default: the model's own draft module; None before the
-    last stage). Collective over the pipeline."""
+    last stage); `draft_model`: the draft checkpoint of kind draft-model. Collective over the
+    pipeline (over the world for a draft model)."""
     from megatron.core import parallel_state as ps
 
     kind = check_drafter_kind(model, kind)
+    if (kind == "draft-model") != (draft_model is not None):
+        raise ValueError("--draft-model goes with --drafter draft-model, and it needs one")
+    if kind == "draft-model":
+        from megatron_specdec.decoding.draft_model_drafter import (
+            DraftModelDrafter,
+            load_draft_model,
+        )
+
+        draft = load_draft_model(draft_model, model.vocab_size)
+        return DraftModelDrafter(draft, model.vocab_size) if ps.is_pipeline_last_stage() else None
     if kind == "ngram":
         from megatron_specdec.decoding.ngram_drafter import NgramDrafter
 
@@ -99,10 +111,12 @@ class SpeculativeGenerator:
     """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`.
     `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain.
     `policy`: "adaptive" (draft while confident, default) or "fixed" (always k), or a
-    DraftPolicy. `drafter_kind`: eagle3, medusa or ngram (default: the model's module)."""
+    DraftPolicy. `drafter_kind`: eagle3, medusa, ngram or draft-model (default: the model's
+    module); `draft_model`: the draft-model checkpoint."""
 
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
-                 tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None):
+                 tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None,
+                 draft_model=None):
         self.model = model
         self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
                   else num_draft_tokens)
@@ -113,11 +127,12 @@ class SpeculativeGenerator:
         self.policy = policy if isinstance(policy, DraftPolicy) else \
             DraftPolicy.named(policy, self.k)
         if tree is not None:
-            if drafter_kind == "ngram":
-                raise ValueError("the n-gram drafter drafts chains, not trees")
+            if drafter_kind in ("ngram", "draft-model"):
+                raise ValueError(f"the {drafter_kind} drafter drafts chains, not trees")
             tree.check(self.k, draft_vocab_size(model))
         self.tree = tree
-        self.drafter = drafter if drafter is not None else build_drafter(model, drafter_kind)
+        self.drafter = drafter if drafter is not None else \
+            build_drafter(model, drafter_kind, draft_model)
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, eos_ids=(),
