@@ -8,7 +8,8 @@ hits all of them alike:
   on the same SmolLM2 weights (the outside anchors);
 - the project's plain greedy (`generation.greedy_generate`);
 - the project's speculative generation: the draft module with a fixed chain of k and with the
-  adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting.
+  adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting;
+  with --draft-model, a separate GPT of the same vocabulary drafting (fixed k and adaptive).
 
 - vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy and n-gram (k=3), in its
   own process on the same prompts (engines/vllm_client.py; it ignores end-of-sequence, so its
@@ -25,7 +26,7 @@ bench/results/generation.json (plot beside it).
     python bench/bench_generation.py --data ../shared/data/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
-        [--temperature 0.7]
+        [--temperature 0.7] [--drafter draft-model --draft-model DRAFT_CKPT]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
 `convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
@@ -100,9 +101,24 @@ def methods(args, model, hf_dir, eos, tree):
     if tree is not None:
         drafts[f"{model.algo} tree"] = SpeculativeGenerator(model, args.num_draft_tokens,
                                                             tree=tree)
+    drafts.update(draft_model_generators(args, model, {"fixed k": "fixed",
+                                                       "adaptive": "adaptive"}))
     for name, generator in drafts.items():
         runs[name] = spec_runner(generator, n, eos)
     return runs, hf_model
+
+
+def draft_model_generators(args, model, policies):
+    """{"draft-model <name>": generator} for each {name: policy}, sharing one loaded draft
+    model; none without --draft-model."""
+    from megatron_specdec.decoding.generator import SpeculativeGenerator, build_drafter
+
+    if args.draft_model is None:
+        return {}
+    drafter = build_drafter(model, "draft-model", args.draft_model)
+    return {f"draft-model {name}": SpeculativeGenerator(
+        model, args.num_draft_tokens, policy=policy, drafter_kind="draft-model",
+        drafter=drafter) for name, policy in policies.items()}
 
 
 def spec_runner(generator, max_new_tokens, eos):
@@ -123,6 +139,10 @@ def main():
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--model", default=None, help="speculative checkpoint (default: random draft)")
     p.add_argument("--algo", choices=("eagle3", "medusa"), default="eagle3")
+    p.add_argument("--drafter", choices=("draft-model",), default=None,
+                   help="also run this drafter (beside the draft module and n-gram)")
+    p.add_argument("--draft-model", default=None,
+                   help="--drafter draft-model: a GPT checkpoint of the target's vocabulary")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="also draft a tree with this branching")
     p.add_argument("--tree-max-nodes", type=int, default=None)
@@ -135,12 +155,17 @@ def main():
 
     from megatron_specdec.data import end_of_turn_ids, load_tokenizer
     from megatron_specdec.decoding.metrics import acceptance_summary
-    from megatron_specdec.decoding.validate import read_prompts, tree_spec
+    from megatron_specdec.decoding.validate import (
+        check_draft_model_args,
+        read_prompts,
+        tree_spec,
+    )
 
     tree = tree_spec(args)
     distributed.initialize(1, 1)
     model, tokenizer_dir, what = build(args)
     model.eval()
+    check_draft_model_args(args, model.vocab_size, tokenizer_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir))
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
@@ -322,6 +347,8 @@ def sampling_speed(model, hf_model, prompts, eos, args):
     n, t = args.max_new_tokens, args.temperature
     generators = {f"project {model.algo} speculative": SpeculativeGenerator(model),
                   "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
+    generators.update({f"project {name} speculative": g for name, g in
+                       draft_model_generators(args, model, {"adaptive": "adaptive"}).items()})
     stats = {name: [0.0, 0, []] for name in
              ["transformers sampling", "project plain sampling", *generators]}
     for i, (_, ids) in enumerate(prompts):

@@ -3,7 +3,8 @@
     python -m megatron_specdec.decoding.validate --model CKPT \\
         --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
-        [--tree-top-k 4 [--tree-max-nodes 32]] [--drafter eagle3|medusa|ngram]
+        [--tree-top-k 4 [--tree-max-nodes 32]]
+        [--drafter eagle3|medusa|ngram|draft-model [--draft-model DRAFT_CKPT]]
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
@@ -83,10 +84,11 @@ def _resolve(model_or_ckpt, tokenizer):
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
-                        policy="adaptive", sampling=None):
+                        policy="adaptive", sampling=None, draft_model=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
-    `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa or ngram
-    (default: the model's own draft module); `policy`: adaptive or fixed draft length;
+    `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram or
+    draft-model (default: the model's own draft module; `draft_model`: the draft GPT
+    checkpoint of draft-model); `policy`: adaptive or fixed draft length;
     `sampling`: a decoding.sampling.Sampling (prompt i uses seed + i; the baseline is then
     plain sampling, and outputs are not compared).
 
@@ -106,7 +108,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree, policy=policy,
-                                     drafter_kind=drafter)
+                                     drafter_kind=drafter, draft_model=draft_model)
     sampled = sampling is not None and not sampling.greedy
     seed = (sampling.seed or 0) if sampled else 0
     records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
@@ -132,6 +134,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     tokens = sum(r["new_tokens"] for r in records)
     report = {
         "algo": drafter or model.algo,
+        **({} if draft_model is None else {"draft_model": str(draft_model)}),
         "draft_policy": policy if tree is None else "tree",
         "num_draft_tokens": generator.k,
         "tree": None if tree is None else {"top_k": tree.top_k, "max_nodes": tree.max_nodes,
@@ -222,6 +225,8 @@ def add_drafting_args(p):
 
     p.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="who drafts (default: the checkpoint's draft module; ngram needs none)")
+    p.add_argument("--draft-model", default=None,
+                   help="--drafter draft-model: a GPT checkpoint of the target's vocabulary")
     p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="adaptive: draft while the draft is confident (default); fixed: always k")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -237,6 +242,18 @@ def sampling_of(args):
 
     settings = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return None if settings.greedy else settings
+
+
+def check_draft_model_args(args, vocab_size: int, tokenizer_dir):
+    """--draft-model goes with --drafter draft-model, and its vocabulary is the target's
+    (`vocab_size`, `tokenizer_dir`): checked before any rank starts."""
+    if (args.drafter == "draft-model") != (args.draft_model is not None):
+        raise ValueError("--drafter draft-model needs --draft-model PATH, and --draft-model "
+                         "needs --drafter draft-model")
+    if args.draft_model is not None:
+        from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+
+        check_draft_checkpoint(args.draft_model, vocab_size, tokenizer_dir)
 
 
 def tree_spec(args):
@@ -260,7 +277,7 @@ def _worker(args):
                                  num_prompts=args.num_prompts, out_dir=args.out_dir,
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
                                  drafter=args.drafter, policy=args.draft_policy,
-                                 sampling=sampling_of(args))
+                                 sampling=sampling_of(args), draft_model=args.draft_model)
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))
@@ -273,7 +290,9 @@ def main(argv=None):
     args = parse_args(argv)
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"prompt file {args.data} not found")
-    checkpoint.read_meta(args.model)  # a clear error here, before any rank starts
+    meta = checkpoint.read_meta(args.model)  # a clear error here, before any rank starts
+    check_draft_model_args(args, meta["hf_config"]["vocab_size"],
+                           Path(args.model) / checkpoint.TOKENIZER_DIR)
     tree_spec(args)
     sampling_of(args)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
