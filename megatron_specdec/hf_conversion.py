@@ -1,11 +1,12 @@
 """Hugging Face <-> Megatron conversion of base models, through the declarative weight table.
 
-Import: every rank of a TP x PP group reads the HF safetensors, keeps its own slices and the
-group saves one dist checkpoint. Export: one process reads the dist checkpoint's global
-tensors (any saved layout) and writes config.json + safetensors that `transformers` loads.
+Both directions stream: no process holds a second copy of the model. Import: every rank of a
+TP x PP group builds its shard and fills it one HF tensor at a time (merged, sliced, copied,
+dropped), then the group saves one dist checkpoint. Export: one process reads the dist
+checkpoint (any saved layout) one layer at a time and appends it to one safetensors file
+that `transformers` loads.
 """
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,12 +15,9 @@ import torch
 from megatron_specdec import checkpoint, distributed, families
 from megatron_specdec.default_model import resolve_model_path
 from megatron_specdec.model_provider import build_model, resolve_transformer_impl
-from megatron_specdec.weights import llama, mapping
+from megatron_specdec.weights import files, llama, mapping
 
 log = logging.getLogger(__name__)
-
-HF_WEIGHTS = "model.safetensors"
-HF_INDEX = "model.safetensors.index.json"
 
 
 def read_hf_config(hf_dir):
@@ -34,27 +32,14 @@ def read_hf_config(hf_dir):
 
 
 def read_hf_state(hf_dir, dtype=None) -> dict:
-    """All tensors of an HF checkpoint (single file or sharded with an index)."""
-    from safetensors.torch import load_file
-
-    hf_dir = Path(hf_dir)
-    if (hf_dir / HF_INDEX).is_file():
-        files = sorted(set(json.loads((hf_dir / HF_INDEX).read_text())["weight_map"].values()))
-    elif (hf_dir / HF_WEIGHTS).is_file():
-        files = [HF_WEIGHTS]
-    else:
-        raise FileNotFoundError(f"no {HF_WEIGHTS} or {HF_INDEX} in {hf_dir}")
-    state = {}
-    for f in files:
-        state.update(load_file(str(hf_dir / f)))
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    return state
+    """All tensors of an HF checkpoint (single file or sharded with an index), in memory."""
+    return dict(files.HFTensors(hf_dir, dtype))
 
 
-def check_hf_state(hf_config, state: dict, hf_dir):
-    """Every tensor the architecture defines is present with its shape (checked against the
-    transformers model built on the meta device), named with file, expected and found."""
+def check_hf_state(hf_config, shapes: dict, hf_dir):
+    """Every tensor the architecture defines is present with its shape ({name: shape}, checked
+    against the transformers model built on the meta device), named with file, expected and
+    found."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -62,24 +47,23 @@ def check_hf_state(hf_config, state: dict, hf_dir):
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
-    mapping.check_shapes(expected, state, hf_dir)
+    mapping.check_shapes(expected, shapes, hf_dir)
 
 
 def weight_rules(hf_config):
     return llama.rules(bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
-
-
 def load_hf_into_model(model, hf_config, hf_state):
-    """Fill this rank's model shard from an HF state dict."""
+    """Fill this rank's model shard from HF tensors (a dict, or files.HFTensors): one global
+    Megatron tensor is merged, sliced and copied at a time, and only this stage's."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
     layers_per_stage = hf_config.num_hidden_layers // ps.get_pipeline_model_parallel_world_size()
     rules = weight_rules(hf_config)
-    global_state = mapping.hf_to_megatron(
+    global_state = mapping.MergedTensors(
         rules, hf_state, mapping.Geometry.from_hf(hf_config, model.padding),
         hf_config.num_hidden_layers,
     )
@@ -90,11 +74,12 @@ def load_hf_into_model(model, hf_config, hf_state):
 
 
 def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
-    """This rank's shard of a Megatron GPTModel holding the weights of an HF directory."""
+    """This rank's shard of a Megatron GPTModel holding the weights of an HF directory, read
+    one tensor at a time (peak host memory: the shard plus about one global tensor)."""
     hf_dir = resolve_model_path(hf_dir)
     config = read_hf_config(hf_dir)
-    state = read_hf_state(hf_dir, dtype)
-    check_hf_state(config, state, hf_dir)
+    state = files.HFTensors(hf_dir, dtype)
+    check_hf_state(config, state.shapes(), hf_dir)
     model = build_model(config, dtype=dtype, transformer_impl=transformer_impl)
     load_hf_into_model(model, config, state)
     return model, config
@@ -141,26 +126,6 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, dtype="float32", overwrite=False
     return Path(out_dir)
 
 
-def _unstack_layers(plain: dict) -> dict:
-    """dist_checkpointing stores decoder layers stacked on a leading axis: name them per layer."""
-    out = {}
-    for name, tensor in plain.items():
-        if name.startswith("decoder.layers.") and not name.endswith("_extra_state"):
-            rest = name[len("decoder.layers."):]
-            for i, t in enumerate(tensor.unbind(0)):
-                out[f"decoder.layers.{i}.{rest}"] = t
-        elif torch.is_tensor(tensor):
-            out[name] = tensor
-    return out
-
-
-def megatron_global_state(ckpt_dir):
-    """(meta, hf_config, global per-layer Megatron tensors) of a checkpoint, any saved layout."""
-    meta = checkpoint.read_meta(ckpt_dir)
-    config = checkpoint.hf_config_from_meta(meta)
-    return meta, config, _unstack_layers(checkpoint.load_plain_tensors(ckpt_dir))
-
-
 def hf_config_for_export(config, dtype_name):
     config = type(config).from_dict(config.to_dict())
     if not getattr(config, "architectures", None):
@@ -172,21 +137,25 @@ def hf_config_for_export(config, dtype_name):
 
 
 def megatron_to_hf(ckpt_dir, out_dir, overwrite=False):
-    """Export the base model of a dist checkpoint to an HF directory (config + safetensors)."""
-    from safetensors.torch import save_file
-
+    """Export the base model of a dist checkpoint to an HF directory (config + safetensors),
+    streamed: one layer's tensors are read, split and written at a time."""
     checkpoint.check_output_dir(out_dir, overwrite)
-    meta, config, global_state = megatron_global_state(ckpt_dir)
-    rules = weight_rules(config)
-    hf_state = mapping.megatron_to_hf(
-        rules, global_state, mapping.Geometry.from_hf(config, meta["padding"]),
-        config.num_hidden_layers,
-    )
+    meta = checkpoint.read_meta(ckpt_dir)
+    config = checkpoint.hf_config_from_meta(meta)
+    source = files.CheckpointTensors(ckpt_dir)
+    rules, n = weight_rules(config), config.num_hidden_layers
+    geo = mapping.Geometry.from_hf(config, meta["padding"])
+    groups = [(None,)] + [(i,) for i in range(n)]  # the non-layer tensors, then layer by layer
+    names = {g: [meg for _, at, meg, _ in mapping.expand_rules(rules, n)
+                 if at in g and meg in source] for g in groups}
+    specs = [(name, t.shape, t.dtype) for g in groups for name, t in mapping.split_tensors(
+        rules, {m: source.meta(m) for m in names[g]}, geo, n, g)]
+    stream = (item for g in groups
+              for item in mapping.split_tensors(rules, source.load(names[g]), geo, n, g))
     tmp = checkpoint.atomic_dir(out_dir)
     try:
         hf_config_for_export(config, meta["dtype"]).save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp / HF_WEIGHTS),
-                  metadata={"format": "pt"})
+        files.write_safetensors(tmp / files.HF_WEIGHTS, specs, stream, metadata={"format": "pt"})
         checkpoint.copy_tokenizer(Path(ckpt_dir) / checkpoint.TOKENIZER_DIR, tmp)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:

@@ -27,13 +27,6 @@ class DraftMismatchError(ValueError):
     pass
 
 
-def _base_meta(ckpt_dir) -> dict:
-    """Metadata of the base half of a base or speculative checkpoint."""
-    meta = checkpoint.read_meta(ckpt_dir)
-    drop = ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel", "draft")
-    return {k: v for k, v in meta.items() if k not in drop}
-
-
 def read_hf_draft(draft_dir):
     """(config dict, tensors) of an HF EAGLE3 draft directory."""
     from megatron_specdec.hf_conversion import read_hf_state
@@ -123,7 +116,7 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise mapping.WeightMappingError(f"{draft_dir}: unexpected tensor(s) {', '.join(unknown)}")
-    mapping.check_shapes(expected, tensors, draft_dir)
+    mapping.check_shapes(expected, {k: tuple(v.shape) for k, v in tensors.items()}, draft_dir)
     d2t, t2d = tensors["d2t"].long(), tensors["t2d"].bool()
     targets = torch.arange(d2t.numel()) + d2t
     if not torch.equal(t2d.nonzero().flatten(), targets):
@@ -139,7 +132,7 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
     from megatron_specdec.speculative import attach, save_speculative
 
     distributed.initialize(tp, pp)
-    meta = _base_meta(base_ckpt)
+    meta = checkpoint.base_meta_of(checkpoint.read_meta(base_ckpt))
     base, hf_config = checkpoint.load_base_model(base_ckpt, meta)
     cfg = spec_config.from_dict(cfg_entry)
     model = attach(base, cfg, hf_config)
@@ -159,7 +152,7 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False):
 
     from megatron_specdec import distributed
 
-    meta = _base_meta(base_ckpt)
+    meta = checkpoint.base_meta_of(checkpoint.read_meta(base_ckpt))
     base = checkpoint.hf_config_from_meta(meta)
     config, tensors = read_hf_draft(draft_dir)
     check_fits(config, base)

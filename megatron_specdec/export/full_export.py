@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_specdec import checkpoint, hf_conversion
 from megatron_specdec.export import eagle3_hf, medusa_hf
+from megatron_specdec.weights import files
 
 BASE_DIR = "base"
 _EXPORTERS = {"eagle3": eagle3_hf.export_eagle3, "medusa": medusa_hf.export_medusa}
@@ -25,16 +26,16 @@ def write_index(hf_dir):
 
     hf_dir = Path(hf_dir)
     weight_map, total = {}, 0
-    with safe_open(str(hf_dir / hf_conversion.HF_WEIGHTS), framework="pt") as f:
+    with safe_open(str(hf_dir / files.HF_WEIGHTS), framework="pt") as f:
         for name in f.keys():
-            weight_map[name] = hf_conversion.HF_WEIGHTS
+            weight_map[name] = files.HF_WEIGHTS
             sl = f.get_slice(name)
             numel = 1
             for d in sl.get_shape():
                 numel *= d
             total += numel * {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 8)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (hf_dir / hf_conversion.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (hf_dir / files.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def export_full(ckpt_dir, out_dir, overwrite=False):

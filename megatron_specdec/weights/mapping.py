@@ -7,6 +7,7 @@ parallel split dimension. Layouts follow Megatron-Bridge: QKV interleaved per qu
 """
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -60,17 +61,17 @@ class WeightMappingError(KeyError):
         return str(self.args[0])
 
 
-def check_shapes(expected: dict, tensors: dict, source):
-    """Every tensor named in `expected` ({name: shape}) is in `tensors` with that shape; the
-    error names the tensor, `source` (a file or directory), expected and found shape."""
+def check_shapes(expected: dict, found: dict, source):
+    """Every tensor named in `expected` ({name: shape}) is in `found` ({name: shape}) with that
+    shape; the error names the tensor, `source` (a file or directory), expected and found."""
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in found:
             raise WeightMappingError(
                 f"tensor {name!r} is missing from {source} (expected shape {shape})")
-        if tuple(tensors[name].shape) != tuple(shape):
+        if tuple(found[name]) != tuple(shape):
             raise WeightMappingError(
                 f"tensor {name!r} in {source}: expected shape {tuple(shape)}, "
-                f"found {tuple(tensors[name].shape)}")
+                f"found {tuple(found[name])}")
 
 
 def _expand(template: str, layer: Optional[int]) -> str:
@@ -146,31 +147,55 @@ def unshard(rule: Rule, pieces) -> torch.Tensor:
     return torch.cat(pieces, dim=rule.tp_dim)
 
 
-def hf_to_megatron(rules, hf_state: dict, geo: Geometry, num_layers: int) -> dict:
+class MergedTensors(Mapping):
+    """Global Megatron tensors by name, each merged from `hf_state` when asked for: with a lazy
+    `hf_state` (files.HFTensors) a consumer that takes them one by one holds one at a time.
+    Every source tensor is checked present up front, before anything is read."""
+
+    def __init__(self, rules, hf_state, geo: Geometry, num_layers: int):
+        self._hf, self._geo, self._sources = hf_state, geo, {}
+        for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
+            present = [n in hf_state for n in hf_names]
+            if not all(present):
+                if rule.optional and not any(present):
+                    continue
+                missing = [n for n, p in zip(hf_names, present) if not p]
+                raise WeightMappingError(f"missing tensor {missing[0]!r} (needed for {meg_name})")
+            self._sources[meg_name] = (rule, hf_names)
+
+    def __getitem__(self, meg_name):
+        rule, hf_names = self._sources[meg_name]
+        return merge(rule, [self._hf[n] for n in hf_names], self._geo)
+
+    def __iter__(self):
+        return iter(self._sources)
+
+    def __len__(self):
+        return len(self._sources)
+
+
+def hf_to_megatron(rules, hf_state, geo: Geometry, num_layers: int) -> dict:
     """HF state dict -> global Megatron tensors (global layer indices, padded vocabulary)."""
-    out = {}
-    for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
-        present = [n in hf_state for n in hf_names]
-        if not all(present):
-            if rule.optional and not any(present):
-                continue
-            missing = [n for n, p in zip(hf_names, present) if not p]
-            raise WeightMappingError(f"missing tensor {missing[0]!r} (needed for {meg_name})")
-        out[meg_name] = merge(rule, [hf_state[n] for n in hf_names], geo)
-    return out
+    return dict(MergedTensors(rules, hf_state, geo, num_layers))
 
 
-def megatron_to_hf(rules, meg_state: dict, geo: Geometry, num_layers: int) -> dict:
-    """Global Megatron tensors -> HF state dict (inverse of `hf_to_megatron`)."""
-    out = {}
-    for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
+def split_tensors(rules, meg_state, geo: Geometry, num_layers: int, layers=None):
+    """(HF name, tensor) pairs of the global Megatron tensors in `meg_state` (inverse of the
+    merge), one rule at a time; `layers`: only rules of those layer indices (None in it: the
+    non-layer rules), all when not given."""
+    for rule, at, meg_name, hf_names in expand_rules(rules, num_layers):
+        if layers is not None and at not in layers:
+            continue
         if meg_name not in meg_state:
             if rule.optional:
                 continue
             raise WeightMappingError(f"missing tensor {meg_name!r} in the Megatron checkpoint")
-        for name, tensor in zip(hf_names, split(rule, meg_state[meg_name], geo)):
-            out[name] = tensor
-    return out
+        yield from zip(hf_names, split(rule, meg_state[meg_name], geo))
+
+
+def megatron_to_hf(rules, meg_state: dict, geo: Geometry, num_layers: int) -> dict:
+    """Global Megatron tensors -> HF state dict (inverse of `hf_to_megatron`)."""
+    return dict(split_tensors(rules, meg_state, geo, num_layers))
 
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
@@ -202,9 +227,10 @@ def rule_index(rules, num_layers: int) -> dict:
     return {meg: rule for rule, _, meg, _ in expand_rules(rules, num_layers)}
 
 
-def load_into_model(model, rules, global_state: dict, num_layers: int, layer_offset: int,
+def load_into_model(model, rules, global_state, num_layers: int, layer_offset: int,
                     tp_rank: int, tp_size: int):
-    """Copy this rank's slices of `global_state` into `model`'s parameters, checking shapes."""
+    """Copy this rank's slices of `global_state` (a dict, or MergedTensors to read one
+    tensor at a time) into `model`'s parameters, checking shapes."""
     index = rule_index(rules, num_layers)
     keys_map = layer_keys_map(model)
     params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -220,3 +246,4 @@ def load_into_model(model, rules, global_state: dict, num_layers: int, layer_off
             )
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
+        del value  # not alive while the next global tensor is merged

@@ -1,0 +1,178 @@
+"""Weights read and written one tensor at a time, so conversion never holds a second copy of
+a model: an HF safetensors directory read lazily, a dist checkpoint read a few tensors (one
+layer) per call, and a safetensors file written from a stream whose header is known first.
+"""
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+# torch dtype <-> the safetensors format's dtype names
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL",
+              torch.uint8: "U8", torch.int8: "I8"}
+_LAYERS = "decoder.layers."
+
+
+def hf_weight_files(hf_dir) -> dict:
+    """{tensor name: file path} of an HF directory (one file, or sharded with an index)."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    if (hf_dir / HF_INDEX).is_file():
+        return {k: hf_dir / f for k, f in
+                json.loads((hf_dir / HF_INDEX).read_text())["weight_map"].items()}
+    if not (hf_dir / HF_WEIGHTS).is_file():
+        raise FileNotFoundError(f"no {HF_WEIGHTS} or {HF_INDEX} in {hf_dir}")
+    with safe_open(str(hf_dir / HF_WEIGHTS), framework="pt") as f:
+        return {k: hf_dir / HF_WEIGHTS for k in f.keys()}
+
+
+class HFTensors(Mapping):
+    """The tensors of an HF directory by name, each read from its file when asked for (and
+    cast to `dtype` if floating): nothing is held between reads. The file is opened per read,
+    so no mapping of it outlives the tensor."""
+
+    def __init__(self, hf_dir, dtype=None):
+        self._files = hf_weight_files(hf_dir)
+        self._dtype = dtype
+
+    def __getitem__(self, name):
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if self._dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self._dtype)
+        return tensor
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self):
+        return len(self._files)
+
+    def shapes(self) -> dict:
+        """{name: shape} from the file headers, no tensor read."""
+        from safetensors import safe_open
+
+        shapes = {}
+        for path in sorted(set(self._files.values())):
+            with safe_open(str(path), framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        return shapes
+
+
+class CheckpointTensors:
+    """Global tensors of a dist checkpoint (any saved TP/PP layout) under per-layer names
+    (`decoder.layers.{i}.x`, which the checkpoint stores stacked as `decoder.layers.x`), read
+    a few at a time: `load` reads only the stored chunks that overlap the layers asked for.
+    Read with torch.distributed.checkpoint directly (no process group): megatron's loader
+    cannot read part of a stacked tensor in a one-process world."""
+
+    def __init__(self, ckpt_dir):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from megatron_specdec import checkpoint
+
+        checkpoint.read_meta(ckpt_dir)  # complete, and its pickled metadata vetted
+        self._dir = str(ckpt_dir)
+        self._stored = {k: md for k, md in
+                        FileSystemReader(self._dir).read_metadata().state_dict_metadata.items()
+                        if hasattr(md, "chunks")}  # tensors only
+
+    def _stored_name(self, name):
+        """(checkpoint key, layer index or None) of a per-layer name."""
+        if name.startswith(_LAYERS):
+            layer, rest = name[len(_LAYERS):].split(".", 1)
+            return _LAYERS + rest, int(layer)
+        return name, None
+
+    def __contains__(self, name):
+        key, layer = self._stored_name(name)
+        return key in self._stored and (layer is None or layer < self._stored[key].size[0])
+
+    def meta(self, name) -> torch.Tensor:
+        """A meta-device tensor with the stored shape and dtype (nothing read)."""
+        key, layer = self._stored_name(name)
+        md = self._stored[key]
+        return torch.empty(md.size if layer is None else md.size[1:],
+                           dtype=md.properties.dtype, device="meta")
+
+    def load(self, names) -> dict:
+        """{name: global tensor} of `names`, in one read."""
+        from torch.distributed.checkpoint import FileSystemReader, load
+
+        regions = {}
+        for name in names:
+            if name not in self:
+                raise KeyError(f"{self._dir}: no tensor {name!r} in the checkpoint")
+            key, layer = self._stored_name(name)
+            meta = self.meta(name)
+            buf = torch.empty((1,) * (layer is not None) + tuple(meta.shape), dtype=meta.dtype)
+            offsets = (layer or 0,) * (layer is not None) + (0,) * meta.dim()
+            regions[name] = (key, offsets, buf)
+        load({}, storage_reader=FileSystemReader(self._dir), planner=_RegionPlanner(regions),
+             no_dist=True)
+        return {name: buf[0] if self._stored_name(name)[1] is not None else buf
+                for name, (_, _, buf) in regions.items()}
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """Reads regions {name: (stored key, global offsets, buffer)} of stored tensors."""
+
+    def __init__(self, regions):
+        super().__init__()
+        self._regions = regions
+        self._targets = {(key, tuple(offsets)): buf for key, offsets, buf in regions.values()}
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        items = []
+        for key, offsets, buf in self._regions.values():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=buf.shape)
+            items += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        index = read_item.dest_index
+        return self.transform_tensor(read_item, self._targets[(index.fqn, tuple(index.offset))])
+
+
+def write_safetensors(path, specs, tensors, metadata=None):
+    """Write a safetensors file from `tensors`, an iterable of (name, tensor) produced one at a
+    time in the order of `specs` [(name, shape, dtype)], which fixes the header first; a
+    tensor that differs from its spec is an error naming it."""
+    header, offset = {}, 0
+    for name, shape, dtype in specs:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, shape, dtype), (got, tensor) in zip(specs, tensors):
+            if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(f"{path}: tensor {got!r} {tuple(tensor.shape)} {tensor.dtype} "
+                                 f"does not match the header's {name!r} {tuple(shape)} {dtype}")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            written += 1
+    if written != len(specs):
+        raise ValueError(f"{path}: {written} tensors written, the header lists {len(specs)}")

@@ -1,0 +1,133 @@
+"""Streaming HF <-> Megatron conversion: import holds about one source tensor at a time and
+writes the same checkpoint as merging the whole HF state in memory; export reads one layer
+per read and writes a safetensors file transformers loads, bitwise equal to the source."""
+
+import weakref
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from megatron_specdec import checkpoint, distributed, hf_conversion
+from megatron_specdec.weights import files, mapping
+
+HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=128, vocab_size=500, max_position_embeddings=64,
+          tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    distributed.initialize(1, 1)
+    yield
+    distributed.destroy()  # leave no process group behind for other test modules
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random Llama saved sharded (several files and an index), in bfloat16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF)).to(torch.bfloat16)
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(out, max_shard_size="60KB")
+    assert (out / files.HF_INDEX).is_file()
+    return out
+
+
+class LiveTensors(Mapping):
+    """HF tensors that count how many of those handed out are alive at once."""
+
+    def __init__(self, source):
+        self.source, self.live, self.peak = source, 0, 0
+
+    def _released(self):
+        self.live -= 1
+
+    def __getitem__(self, name):
+        tensor = self.source[name]
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._released)
+        return tensor
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def __len__(self):
+        return len(self.source)
+
+
+def test_import_holds_one_merge_of_source_tensors_at_a_time(one_process, hf_dir):
+    from megatron_specdec.model_provider import build_model
+
+    config = hf_conversion.read_hf_config(hf_dir)
+    source = LiveTensors(files.HFTensors(hf_dir, torch.float32))
+    model = build_model(config)
+    hf_conversion.load_hf_into_model(model, config, source)
+    assert source.peak == 3  # q, k and v of one layer, merged into linear_qkv
+    assert source.live == 0
+
+
+def test_streamed_import_writes_what_the_in_memory_merge_gives(one_process, hf_dir, tmp_path):
+    ckpt = hf_conversion.hf_to_megatron(hf_dir, tmp_path / "ckpt", dtype="bfloat16")
+    config = hf_conversion.read_hf_config(hf_dir)
+    meta = checkpoint.read_meta(ckpt)
+    reference = mapping.hf_to_megatron(
+        hf_conversion.weight_rules(config), hf_conversion.read_hf_state(hf_dir),
+        mapping.Geometry.from_hf(config, meta["padding"]), config.num_hidden_layers)
+    saved = files.CheckpointTensors(ckpt)
+    loaded = saved.load(list(reference))
+    assert set(loaded) == set(reference)
+    for name, tensor in reference.items():  # megatron keeps norms in float32
+        want = torch.float32 if "norm" in name else torch.bfloat16
+        assert loaded[name].dtype == want, name
+        assert torch.equal(loaded[name], tensor.to(want)), name
+    # One layer per read: the slice of the stacked tensor, nothing else.
+    stacked = checkpoint.load_plain_tensors(ckpt)["decoder.layers.mlp.linear_fc1.weight"]
+    one = saved.load(["decoder.layers.1.mlp.linear_fc1.weight"])
+    assert list(one) == ["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert torch.equal(one["decoder.layers.1.mlp.linear_fc1.weight"], stacked[1])
+
+
+def test_streamed_export_is_bitwise_and_loads_in_transformers(one_process, hf_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ckpt = hf_conversion.hf_to_megatron(hf_dir, tmp_path / "ckpt", dtype="bfloat16")
+    back = hf_conversion.megatron_to_hf(ckpt, tmp_path / "back")
+    src, dst = hf_conversion.read_hf_state(hf_dir), hf_conversion.read_hf_state(back)
+    assert set(src) == set(dst)
+    for name in src:  # tensors keep the checkpoint's dtypes (float32 norms), as before
+        assert dst[name].dtype == (torch.float32 if "norm" in name else torch.bfloat16), name
+        assert torch.equal(src[name], dst[name].to(torch.bfloat16)), name
+    with safe_open(str(back / files.HF_WEIGHTS), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    model = AutoModelForCausalLM.from_pretrained(back)
+    assert torch.equal(model.lm_head.weight, src["lm_head.weight"])
+
+
+def test_write_safetensors_round_trips_every_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "h": torch.randn(4).half(),
+               "f": torch.randn(2, 2, 2)[:, 0],  # not contiguous
+               "d2t": torch.arange(7), "t2d": torch.rand(9) > 0.5, "scalar": torch.tensor(2.5)}
+    specs = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    files.write_safetensors(tmp_path / "a.safetensors", specs, iter(tensors.items()),
+                            metadata={"format": "pt"})
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert set(back) == set(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_write_safetensors_names_a_tensor_that_differs_from_the_header(tmp_path):
+    specs = [("a", (2, 3), torch.float32), ("b", (4,), torch.float32)]
+    with pytest.raises(ValueError, match=r"tensor 'b' \(5,\).*header's 'b' \(4,\)"):
+        files.write_safetensors(tmp_path / "x.safetensors", specs,
+                                iter([("a", torch.zeros(2, 3)), ("b", torch.zeros(5))]))
+    with pytest.raises(ValueError, match="1 tensors written, the header lists 2"):
+        files.write_safetensors(tmp_path / "y.safetensors", specs,
+                                iter([("a", torch.zeros(2, 3))]))
