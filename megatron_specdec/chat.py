@@ -28,12 +28,13 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
     """Greedy answers to `prompts` (user messages); collective over the model-parallel group."""
     from transformers import AutoTokenizer
 
-    from megatron_specdec import checkpoint, distributed
+    from megatron_specdec import distributed
     from megatron_specdec.data import end_of_turn_ids
     from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.hf_conversion import load_model_for_inference
 
     distributed.initialize(tp, pp)
-    model, config, tokenizer_dir = checkpoint.load_model_for_inference(model_path)
+    model, config, tokenizer_dir = load_model_for_inference(model_path)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
                                          add_generation_prompt=True, return_dict=False)

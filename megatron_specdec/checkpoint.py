@@ -279,18 +279,3 @@ def load_base_model(path, meta=None, dtype=None):
     )
     load_checkpoint(model, path)
     return model, config
-
-
-def load_model_for_inference(path, dtype=None):
-    """(model, hf_config, tokenizer_dir) for this rank's TP/PP stage from a megatron_specdec
-    checkpoint, an HF model directory, or 'default' (the embedded SmolLM2). The caller has
-    initialised the process groups (`distributed.initialize`)."""
-    from megatron_specdec.default_model import resolve_model_path
-    from megatron_specdec.hf_conversion import model_from_hf
-
-    path = resolve_model_path(path)
-    if not (path / META_FILE).is_file() and (path / "config.json").is_file():
-        model, config = model_from_hf(path, dtype or torch.float32)
-        return model.eval(), config, path
-    model, config = load_base_model(path, dtype=dtype)
-    return model.eval(), config, path / TOKENIZER_DIR

@@ -80,13 +80,13 @@ def _pipeline(root, calibration, prompt_ids, out_file):
     export_full and the Megatron draft's chains."""
     from megatron_specdec import checkpoint
     from megatron_specdec.export.full_export import export_full
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.hf_conversion import hf_to_megatron, load_model_for_inference
     from megatron_specdec.speculative import (calibrate_draft_vocab, convert, load_speculative,
                                               save_speculative)
 
     hf_to_megatron("default", f"{root}/base")
     distributed.initialize(1, 1)
-    model, hf_config, _ = checkpoint.load_model_for_inference(f"{root}/base")
+    model, hf_config, _ = load_model_for_inference(f"{root}/base")
     model = convert(model, "eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": STEPS},
                     hf_config=hf_config)
     model.draft.set_draft_vocab(*calibrate_draft_vocab(f"{root}/base", [calibration],

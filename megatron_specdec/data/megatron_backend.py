@@ -1,6 +1,6 @@
 """Generation backend that runs the target as a Megatron-Core model in this process.
 
-A thin adapter over `megatron_specdec.checkpoint.load_model_for_inference` and
+A thin adapter over `megatron_specdec.hf_conversion.load_model_for_inference` and
 `megatron_specdec.generation.greedy_generate`, imported on construction so that the data
 package (and the OpenAI path) never pull in Megatron. Single process (tp=pp=1).
 """
@@ -17,7 +17,7 @@ class MegatronBackend:
 
     def __init__(self, checkpoint: str = "default", tokenizer=None):
         from megatron_specdec import distributed
-        from megatron_specdec.checkpoint import load_model_for_inference
+        from megatron_specdec.hf_conversion import load_model_for_inference
         from megatron_specdec.generation import greedy_generate
 
         distributed.initialize(tp=1, pp=1)
