@@ -10,6 +10,7 @@ from megatron_specdec.data import (
     TokenizedConversation,
     load_tokenizer,
     packed_attention_mask,
+    packed_seq_params,
 )
 
 PAD = 0
@@ -170,3 +171,32 @@ def test_from_files_with_the_real_tokenizer(tmp_path):
     assert batch["input_ids"].shape == (2, 128)
     masked = batch["input_ids"][batch["loss_mask"].bool()]
     assert (masked == tokenizer.eos_token_id).sum() == (batch["segment_ids"].amax(1)).sum()
+
+
+def _thd_allowed(cu_seqlens, n):
+    """The causal block-diagonal attention over n flattened tokens that cu_seqlens describes."""
+    doc = torch.zeros(n, dtype=torch.long)
+    doc[cu_seqlens[1:-1].long()] = 1
+    doc = doc.cumsum(0)
+    return (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_packed_seq_params_pin_what_transformer_engine_receives():
+    seg = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1], [1, 2, 3, 0, 0, 0]])
+    params = packed_seq_params(seg)
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert params.cu_seqlens_q.tolist() == [0, 2, 5, 6, 12, 13, 14, 15, 18]
+    assert params.cu_seqlens_kv is params.cu_seqlens_q
+    assert params.max_seqlen_q == params.max_seqlen_kv == 6
+    assert params.cu_seqlens_q_padded is None
+
+
+def test_packed_seq_params_equal_the_packed_mask_on_packed_rows():
+    seg = torch.stack([row["segment_ids"] for row in
+                       ConversationDataset(_samples(), 32, PAD, pack=True, seed=3)])
+    assert (seg.max(1).values > 1).any()  # some row holds several conversations
+    allowed = _thd_allowed(packed_seq_params(seg).cu_seqlens_q, seg.numel())
+    local = (~packed_attention_mask(seg)[:, 0]).int()
+    assert torch.equal(allowed.int(), torch.block_diag(*local))
+

@@ -10,7 +10,8 @@ from megatron_specdec.data.conversations import (
     tokenize_conversation,
     validate_messages,
 )
-from megatron_specdec.data.dataset import BatchIterator, ConversationDataset, packed_attention_mask
+from megatron_specdec.data.dataset import (BatchIterator, ConversationDataset, packed_attention_mask,
+                                           packed_seq_params)
 from megatron_specdec.data.draft_vocab import DraftVocab, build_draft_vocab, calibrate, count_tokens
 from megatron_specdec.data.jsonl import DataError
 from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
@@ -31,6 +32,7 @@ __all__ = [
     "end_of_turn_ids",
     "load_tokenizer",
     "packed_attention_mask",
+    "packed_seq_params",
     "read_conversations",
     "read_source",
     "read_sources",

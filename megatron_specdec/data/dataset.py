@@ -4,7 +4,8 @@ Packing puts several whole conversations into one `seq_length` row (greedily, in
 order; a conversation that does not fit starts the next row, none is split, so none loses
 its context). Boundaries are kept two ways: `position_ids` restart at 0 for each
 conversation (RoPE sees the same positions as unpacked), and `segment_ids` number the
-conversations 1..k so a trainer can reset attention at boundaries with `packed_attention_mask`.
+conversations 1..k so a trainer can reset attention at boundaries with `packed_attention_mask`
+(local attention) or `packed_seq_params` (Transformer Engine's THD format).
 Right padding is segment 0 (pad ids, loss_mask 0, positions restarting at 0). Without packing
 each conversation is one padded row. loss_mask[t] = 1 marks token t as an assistant token, i.e.
 a target to predict from positions < t: the trainer shifts it with the labels.
@@ -111,6 +112,25 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return ~(same & causal)[:, None]
+
+
+def packed_seq_params(segment_ids: torch.Tensor):
+    """megatron `PackedSeqParams` (THD, `cu_seqlens`) for a batch [b, s] flattened to one
+    sequence of b*s tokens: the form Transformer Engine attention applies (TE attention declared
+    causal ignores an explicit mask). A sequence starts at each row and each change of
+    segment id; a row's right padding (segment 0) is its own sequence, as in
+    `packed_attention_mask`, which this equals block for block."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    flat = segment_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[:: segment_ids.shape[-1]] = True  # rows never continue one another
+    bounds = torch.cat([starts.nonzero().flatten(), flat.new_tensor([flat.numel()])])
+    cu_seqlens = bounds.to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 class BatchIterator:
