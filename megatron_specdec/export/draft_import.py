@@ -87,7 +87,7 @@ def check_fits(config: dict, base) -> None:
 def draft_config(config: dict, tensors: dict, base):
     """The validated Eagle3Config the HF draft describes."""
     layers = config.get("num_hidden_layers", 1)
-    first = eagle3_hf.layer_prefix(layers, 0)
+    first = eagle3.layer_prefix(layers, 0)
     raw = {
         "eagle_num_layers": layers,
         "draft_vocab_size": config.get("draft_vocab_size") or base.vocab_size,
@@ -107,7 +107,7 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
                                       "use_last_layernorm": cfg.use_last_layernorm,
                                       "use_input_layernorm_in_first_layer":
                                           cfg.use_input_layernorm_in_first_layer})
-    expected = eagle3_hf.tensor_shapes(shape_config)
+    expected = eagle3.tensor_shapes(shape_config)
     tensors = {k: v for k, v in tensors.items() if k not in _IGNORED}
     full_vocab = cfg.draft_vocab_size == config["vocab_size"]
     if "d2t" not in tensors and "t2d" not in tensors and full_vocab:

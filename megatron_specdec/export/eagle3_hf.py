@@ -15,6 +15,8 @@ from pathlib import Path
 from megatron_specdec import checkpoint, families
 from megatron_specdec.export import draft_source
 from megatron_specdec.weights import eagle3
+# The layout's names and shapes live with its weight table; tests read them from here too.
+from megatron_specdec.weights.eagle3 import layer_prefix, tensor_shapes  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +29,6 @@ CONFIG = "config.json"
 def vllm_layer_ids(layer_ids):
     """Output-of-layer ids -> vLLM's (hidden state entering layer k)."""
     return [i + 1 for i in layer_ids]
-
-
-def layer_prefix(num_layers: int, layer: int) -> str:
-    return "midlayer." if num_layers == 1 else f"layers.{layer}."
 
 
 def hf_config(base, cfg, dtype_name: str) -> dict:
@@ -80,36 +78,6 @@ def hf_config(base, cfg, dtype_name: str) -> dict:
     # No `target_hidden_size`: the draft's hidden size is the base's, and the key would make
     # the EAGLE reference runtime expect the draft's own embed_tokens in the file.
     return config
-
-
-def tensor_shapes(config: dict) -> dict:
-    """HF tensor name -> shape of every tensor a draft described by `config` holds."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    layers = config["num_hidden_layers"]
-    eagle = config.get("eagle_config") or {}
-    num_aux = len(eagle.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
-    target_h = config.get("target_hidden_size", h)
-    shapes = {"fc.weight": (h, num_aux * target_h),
-              "lm_head.weight": (config["draft_vocab_size"], h),
-              "d2t": (config["draft_vocab_size"],), "t2d": (config["vocab_size"],)}
-    if eagle.get("use_last_layernorm", True):
-        shapes["norm.weight"] = (h,)
-    for i in range(layers):
-        p, width = layer_prefix(layers, i), (2 * h if i == 0 else h)
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, width), p + "self_attn.k_proj.weight": (kv, width),
-            p + "self_attn.v_proj.weight": (kv, width), p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if i or eagle.get("use_input_layernorm_in_first_layer", True):
-            shapes[p + "input_layernorm.weight"] = (h,)
-        if i == 0:
-            shapes[p + "hidden_norm.weight"] = (h,)
-    return shapes
 
 
 def hf_tensors(source: draft_source.DraftSource) -> dict:

@@ -33,9 +33,7 @@ def draft_geometry(config, cfg, real_query_groups: int) -> mapping.Geometry:
 
 def hf_initial_state(config, cfg, geo: mapping.Geometry, vocab_size: int, seed: int) -> dict:
     """HF-named initial tensors of the draft (identity draft vocabulary)."""
-    from megatron_specdec.export.eagle3_hf import tensor_shapes
-
-    shapes = tensor_shapes({
+    shapes = eagle3.tensor_shapes({
         "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
         "head_dim": geo.head_dim, "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_groups, "num_hidden_layers": cfg.eagle_num_layers,
