@@ -126,7 +126,7 @@ class DraftModelDrafter:
         self.chain = pending[:, :0]
 
     def _chain(self, k: int, policy, pick):
-        """Up to k chained drafts: pick(probs [1, V]) -> (confidence, take), take() ->
+        """Up to k chained drafts: pick(logits [1, V]) -> (confidence, take), take() ->
         (token [1], extra), called only for a token the policy keeps (see
         Eagle3Drafter._chain). The fed drafts stay in the cache until `accept`."""
         logits = self.runner.step(self.unseen, last_only=True)[:, -1]
