@@ -187,6 +187,7 @@ def test_medusa_fasterdecoding_layout(exported, ckpts):
     config, tensors = _read(directory)
     assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 2
     assert config["hidden_size"] == 96 and config["vocab_size"] == 500
+    assert config["medusa_fc_bias"] is True  # vLLM's Medusa reads it to build biased blocks
     assert {k: tuple(v.shape) for k, v in tensors.items()} == tensor_shapes(config)
     plain = checkpoint.load_plain_tensors(ckpts / "medusa_tp2")
     for i in range(2):

@@ -1,6 +1,6 @@
 """Medusa heads -> the original FasterDecoding Medusa layout.
 
-Directory: `config.json` (`medusa_num_heads`, `medusa_num_layers`, `hidden_size`,
+Directory: `config.json` (`medusa_num_heads`, `medusa_num_layers`, `medusa_fc_bias`, `hidden_size`,
 `vocab_size`) and `medusa_lm_head.safetensors` with `{i}.{j}.linear.weight/bias` (block j of
 head i) and `{i}.{L}.weight` (head i's lm_head, unpadded [vocab, h]): what FasterDecoding's
 MedusaModel and TensorRT-LLM's Medusa checkpoint converter read. vLLM's Medusa expects
@@ -22,6 +22,7 @@ def hf_config(base, cfg, dtype_name: str) -> dict:
     return {
         "medusa_num_heads": cfg.medusa_num_heads,
         "medusa_num_layers": cfg.medusa_num_layers,
+        "medusa_fc_bias": True,  # the blocks carry biases; vLLM builds them bias-free without it
         "hidden_size": base.hidden_size,
         "vocab_size": base.vocab_size,
         "dtype": dtype_name,
