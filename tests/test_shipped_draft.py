@@ -48,7 +48,7 @@ def test_shipped_draft_imports_at_tp2_and_equals_greedy(default_hf_dir, chat_pro
     from megatron_specdec.hf_conversion import hf_to_megatron
 
     base, spec = tmp_path / "base", tmp_path / "spec"
-    hf_to_megatron(default_hf_dir, base)
+    hf_to_megatron(default_hf_dir, base, tp=2)  # 3 query groups: TP=2 pads them to 4 at import
     cfg = import_eagle3(SHIPPED, base, spec, tp=2)
     assert cfg.algo == "eagle3" and cfg.draft_vocab_size < 49152
     out = tmp_path / "out.pt"
