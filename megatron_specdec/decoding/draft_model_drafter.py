@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megatron_specdec.decoding.draft_policy import draft_chain
+
+
 GROUPS = ("tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp")
 
 
@@ -126,24 +129,17 @@ class DraftModelDrafter:
         self.chain = pending[:, :0]
 
     def _chain(self, k: int, policy, pick):
-        """Up to k chained drafts: pick(logits [1, V]) -> (confidence, take), take() ->
-        (token [1], extra), called only for a token the policy keeps (see
-        Eagle3Drafter._chain). The fed drafts stay in the cache until `accept`."""
+        """Up to k chained drafts (draft_policy.draft_chain; pick reads logits [1, V], take()
+        gives a token [1]). The fed drafts stay in the cache until `accept`."""
         logits = self.runner.step(self.unseen, last_only=True)[:, -1]
         self.unseen = self.unseen[:, :0]
-        drafts, extras, chain = [], [], 1.0
-        for i in range(k):
-            if i:
-                logits = self.runner.step(drafts[-1][None], last_only=True)[:, -1]
-                self.chain = torch.cat([self.chain, drafts[-1][None]], dim=1)
-            confidence, take = pick(logits)
-            chain *= confidence
-            if policy is not None and not policy.keeps(chain):
-                break
-            token, extra = take()
-            drafts.append(token)
-            extras.append(extra)
-        return drafts, extras
+
+        def advance(token):
+            logits = self.runner.step(token[None], last_only=True)[:, -1]
+            self.chain = torch.cat([self.chain, token[None]], dim=1)
+            return logits
+
+        return draft_chain(k, policy, logits, advance, pick)
 
     def propose(self, k: int, policy=None) -> Tensor:
         """Up to k greedy draft tokens [1, n] (n may be 0)."""

@@ -57,3 +57,24 @@ class DraftPolicy:
         if name not in POLICIES:
             raise ValueError(f"draft policy {name!r}; expected one of {POLICIES}")
         return cls(max_tokens, threshold if name == "adaptive" else None)
+
+
+def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
+    """The chain loop every drafter shares: up to k drafts from `logits` (the draft's output
+    after the newest real token). pick(logits) -> (confidence, take); once `policy` (None:
+    never) drops the product of the confidences the chain stops, otherwise take() -> (token,
+    extra) drafts the token (called only then: a sampler draws nothing for a dropped token);
+    advance(token) feeds a drafted token and returns the logits after it. Returns the tokens
+    and the extras."""
+    drafts, extras, chain = [], [], 1.0
+    for i in range(k):
+        if i:
+            logits = advance(drafts[-1])
+        confidence, take = pick(logits)
+        chain *= confidence
+        if policy is not None and not policy.keeps(chain):
+            break
+        token, extra = take()
+        drafts.append(token)
+        extras.append(extra)
+    return drafts, extras

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from megatron_specdec.decoding.draft_policy import draft_chain
 from megatron_specdec.decoding.tree import (
     DraftTree,
     TreeSpec,
@@ -91,26 +92,16 @@ class Eagle3Drafter:
         self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1))
 
     def _chain(self, k: int, policy, pick):
-        """Up to k chained drafts after the newest real position. pick(logits) ->
-        (confidence, take); an adaptive policy stops the chain once the product of the
-        confidences falls below its threshold, otherwise take() -> (target ids [b], extra)
-        drafts the token (called only then: a sampler draws nothing for a dropped token).
-        Returns the ids and the extras; leaves the drafter as it found it (the chain's cache
-        entries and states are dropped)."""
+        """Up to k chained drafts after the newest real position (draft_policy.draft_chain;
+        take() gives target ids [b]). Returns the ids and the extras; leaves the drafter as
+        it found it (the chain's cache entries and states are dropped)."""
         real = self._last
-        hidden, logits = real
-        drafts, extras, chain = [], [], 1.0
-        for i in range(k):
-            if i:
-                self._step(hidden, drafts[-1][:, None])
-                hidden, logits = self._last
-            confidence, take = pick(logits)
-            chain *= confidence
-            if policy is not None and not policy.keeps(chain):
-                break
-            ids, extra = take()
-            drafts.append(ids)
-            extras.append(extra)
+
+        def advance(ids):
+            self._step(self._last[0], ids[:, None])
+            return self._last[1]
+
+        drafts, extras = draft_chain(k, policy, real[1], advance, pick)
         self._truncate(self.length)
         self._last = real
         return drafts, extras

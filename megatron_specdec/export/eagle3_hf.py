@@ -94,24 +94,26 @@ def write(directory, config: dict, tensors: dict, max_shard_mb=None):
 
     directory = Path(directory)
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    total = sum(sizes.values())
     limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
-    size = lambda t: t.numel() * t.element_size()  # noqa: E731
-    if limit is None or sum(size(t) for t in tensors.values()) <= limit:
+    if limit is None or total <= limit:
         save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
         return
-    shards, current = [], {}
+    shards, current, filled = [], {}, 0
     for name in sorted(tensors):
-        if current and sum(size(t) for t in current.values()) + size(tensors[name]) > limit:
+        if current and filled + sizes[name] > limit:
             shards.append(current)
-            current = {}
+            current, filled = {}, 0
         current[name] = tensors[name]
+        filled += sizes[name]
     shards.append(current)
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / file), metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
-    index = {"metadata": {"total_size": sum(size(t) for t in tensors.values())},
+    index = {"metadata": {"total_size": total},
              "weight_map": weight_map}
     (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

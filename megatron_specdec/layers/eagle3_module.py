@@ -113,9 +113,13 @@ class Eagle3Module(MegatronModule):
         (this step's keys/values are appended). Returns (hidden_out [s, b, h], logits over
         this TP rank's slice of the padded draft vocabulary [s, b, Dp/TP], padded = -inf);
         with `last_only` the logits of the last position only (drafting reads no others)."""
+        hidden = self._layers(embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks)
+        return hidden, self.head(hidden[-1:] if last_only else hidden)
+
+    def _layers(self, embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks) -> Tensor:
         for layer, blocks in zip(self.layers, kv_blocks):
             hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
-        return hidden, self.head(hidden[-1:] if last_only else hidden)
+        return hidden
 
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and lm_head: [..., h] -> this rank's draft logits (padded = -inf)."""
@@ -135,8 +139,8 @@ class Eagle3Module(MegatronModule):
         for k in range(ttt_steps):
             if k:
                 hidden = shift_right(hidden)
-            for layer, blocks in zip(self.layers, kv_blocks):
-                hidden = layer(hidden, embeds, rotary_pos_emb, TTTMask(base_mask, k), blocks)
+            hidden = self._layers(embeds, hidden, rotary_pos_emb, TTTMask(base_mask, k),
+                                  kv_blocks)
             out = hidden if rows is None else hidden.reshape(s * b, 1, h).index_select(0, rows)
             logits.append(self.head(out))
         return logits
