@@ -1,10 +1,12 @@
 """The EAGLE3 training loss as trained: the position mask of upstream EAGLE-3, and the fast
-path (structured TTT attention, lm_head / base head / soft cross-entropy on scored rows only)
-against the dense computation it replaced, in fp32: losses and gradients within 1e-5."""
+path (TTT attention through SDPA, lm_head / base head / soft cross-entropy on scored rows
+only) against the dense computation it replaced, in fp32: losses and gradients within 1e-5,
+in one process and at TP=2."""
 
 import pytest
 import torch
 
+from megatron_specdec import distributed
 from megatron_specdec.layers import losses
 from megatron_specdec.layers.eagle3_module import shift_right
 
@@ -40,10 +42,13 @@ def test_positions_outside_the_draft_vocabulary_add_no_loss_but_count(one_proces
 def _dense_loss(model, ids, loss_mask, attention_mask):
     """The loss as computed before the fast path: dense TTT masks over every block's keys,
     draft and base logits at every position, then the scored positions picked by mask."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
+
     draft, cfg = model.draft, model.spec_config
     b, s = ids.shape
     state = model.run_base(ids, attention_mask)
-    _, base_logits = model.base_head(state.residual)  # [s, b, V]
+    _, base_logits = model.base_head(state.residual)
+    base_logits = gather(base_logits)  # [s, b, V]: whole vocabularies at any TP
     following = torch.cat([base_logits[1:], base_logits[-1:]]).reshape(s * b, -1)
     target_ids = draft.target_ids()
     p = torch.softmax(following[:, target_ids], -1)
@@ -58,14 +63,15 @@ def _dense_loss(model, ids, loss_mask, attention_mask):
             hidden = shift_right(hidden)
         hidden, logits = draft.step(embeds, hidden, model.rotary_pos_emb(s),
                                     dense_ttt_mask(attention_mask, s, k), kv)
-        log_q = torch.log_softmax(logits.reshape(s * b, -1)[:, :draft.draft_vocab_size], -1)
+        logits = gather(logits).reshape(s * b, -1)
+        log_q = torch.log_softmax(logits[:, :draft.draft_vocab_size], -1)
         ce = -(p * log_q).sum(-1)
         total = total + cfg.ttt_decay ** k * (ce * masks[k] * in_vocab).sum()
     return total
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fast_loss_equals_dense_loss_and_gradients(one_process, packed):
+def _check_fast_equals_dense(packed):
+    """This rank's draft gradients and the loss, fast against dense, within 1e-5."""
     model, _, _ = _tiny_model(2)
     g = torch.Generator().manual_seed(3)
     b, s = 2, 12
@@ -84,3 +90,20 @@ def test_fast_loss_equals_dense_loss_and_gradients(one_process, packed):
     assert float(fast) > 0 and torch.allclose(fast, dense, rtol=1e-5, atol=1e-5)
     for name_grad, (a, w) in enumerate(zip(fast_grads, dense_grads)):
         assert torch.allclose(a, w, rtol=1e-5, atol=1e-5), name_grad
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fast_loss_equals_dense_loss_and_gradients(one_process, packed):
+    _check_fast_equals_dense(packed)
+
+
+def _tp2_worker():
+    distributed.initialize(2, 1)
+    for packed in (False, True):
+        _check_fast_equals_dense(packed)
+
+
+def test_fast_loss_equals_dense_loss_and_gradients_tp2():
+    """Each rank (2 heads of 1 query group, half of each vocabulary) against the dense loss
+    over gathered logits: packed and unpacked (a failed check fails the spawn)."""
+    distributed.spawn(_tp2_worker, 2)

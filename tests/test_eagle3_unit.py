@@ -71,14 +71,21 @@ def test_ttt_mask_follows_the_chain():
     assert allowed[u, :s].nonzero().flatten().tolist() == [0, 1, 2]
     assert allowed[u, s:2 * s].nonzero().flatten().tolist() == [3]  # step-1 key at 3
     assert allowed[u, 2 * s:].nonzero().flatten().tolist() == [4]  # its own step-2 key
-    assert torch.equal(~TTTMask(None, k).prefix_mask(s, None)[0, 0], allowed[:, :s])
+    # the SDPA mask: k sinks (step j = k-p at column p, present once u >= p), then the
+    # step-0 keys shifted right by k, seen as the base mask's row u-k sees them
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    sdpa = TTTMask(causal, k).sdpa_mask(s)[0, 0]
+    assert torch.equal(sdpa, ~causal[0, 0])  # a causal base mask is plain causal SDPA
+    assert torch.equal(sdpa[:, k:], allowed[:, : s - k])
+    assert torch.equal(sdpa[:, 0], allowed[:, 2 * s:].any(-1))  # own key: always
+    assert torch.equal(sdpa[:, 1], allowed[:, s:2 * s].any(-1))  # step-1 key: from u = 1
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("step", [0, 1, 3])
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
 def test_structured_ttt_attention_equals_dense_mask(packed, step):
-    """ttt_attention (one s x s block plus one key per later step) against softmax attention
-    over every block's keys with the dense mask: outputs and gradients, GQA 4 heads / 2 groups."""
+    """ttt_attention (SDPA over sinks and shifted step-0 keys) against softmax attention over
+    every block's keys with the dense mask: outputs and gradients, GQA 4 heads / 2 groups."""
     g = torch.Generator().manual_seed(step)
     s, b, heads, groups, d = 9, 2, 4, 2, 8
     base = None

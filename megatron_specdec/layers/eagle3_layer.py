@@ -40,7 +40,7 @@ class Eagle3Attention(SelfAttention):
 
     Each call appends this call's (rotated) keys and values to `kv_blocks` and attends over
     all blocks with an explicit boolean mask [b|1, 1, s_q, s_kv] (True = may not attend), or,
-    in training-time test, a `TTTMask` (the same attention without the dense mask).
+    in training-time test, a `TTTMask` (the same attention in memory linear in s).
     """
 
     def forward(self, hidden_states: Tensor, rotary_pos_emb: Optional[Tensor],
@@ -51,9 +51,9 @@ class Eagle3Attention(SelfAttention):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
         kv_blocks.append((key, value))
         if isinstance(attention_mask, TTTMask):
-            core = self.core_attention
-            context = ttt_attention(query, kv_blocks, attention_mask, core.softmax_scale,
-                                    core.attention_dropout)
+            dropout = self.config.attention_dropout if self.training else 0.0
+            context = ttt_attention(query, kv_blocks, attention_mask,
+                                    self.core_attention.softmax_scale, dropout)
         else:
             keys = torch.cat([k for k, _ in kv_blocks]).contiguous()
             values = torch.cat([v for _, v in kv_blocks]).contiguous()
