@@ -10,9 +10,12 @@ in checkpoint metadata (`to_dict`) and rebuilt from it (`from_dict`).
 from dataclasses import asdict, dataclass, field, fields
 from typing import List, Optional
 
-ALGOS = ("eagle3", "medusa")
+ALGOS = ("eagle3", "medusa")  # draft modules on the base (convert, export)
+# What the trainer trains: a draft module, or a separate draft model distilled from the base.
+TRAINABLE = ALGOS + ("draft_model",)
 # ModelOpt names its EAGLE mode "eagle"; only EAGLE3 is implemented here.
-_MODE_ALIASES = {"eagle": "eagle3", "eagle3": "eagle3", "medusa": "medusa"}
+_MODE_ALIASES = {"eagle": "eagle3", "eagle3": "eagle3", "medusa": "medusa",
+                 "draft_model": "draft_model"}
 LM_HEAD_INITS = ("base", "random")
 DRAFT_VOCAB_MULTIPLE = 128  # padded draft vocabulary is independent of TP (reshardable)
 
@@ -61,14 +64,27 @@ class MedusaConfig:
         return []
 
 
-_CLASSES = {"eagle3": Eagle3Config, "medusa": MedusaConfig}
+@dataclass
+class DraftModelConfig:
+    """A separate GPT of the base's vocabulary (e.g. checkpoint_tools/prune_depth.py's output)
+    trained by distillation against the frozen base; `model` is its starting checkpoint."""
+    model: Optional[str] = None
+
+    algo = "draft_model"
+
+    @property
+    def aux_layer_ids(self) -> List[int]:
+        return []
+
+
+_CLASSES = {"eagle3": Eagle3Config, "medusa": MedusaConfig, "draft_model": DraftModelConfig}
 
 
 def user_keys(cls) -> List[str]:
     return [f.name for f in fields(cls) if not f.metadata.get("derived")]
 
 
-def _split_form(algo, config):
+def _split_form(algo, config, algos):
     """(algo, dict) from either `("eagle3", {...})` or `[("eagle", {...})]`."""
     if isinstance(algo, (list, tuple)):
         if config is not None:
@@ -78,8 +94,8 @@ def _split_form(algo, config):
             raise SpecConfigError(f"expected a list with one (mode, config) pair, got {algo!r}")
         algo, config = algo[0]
     name = _MODE_ALIASES.get(str(algo).lower()) if isinstance(algo, str) else None
-    if name is None:
-        raise SpecConfigError(f"unknown speculative algorithm {algo!r}; valid: {', '.join(ALGOS)}")
+    if name not in algos:
+        raise SpecConfigError(f"unknown speculative algorithm {algo!r}; valid: {', '.join(algos)}")
     return name, dict(config or {})
 
 
@@ -132,10 +148,18 @@ def _validate_medusa(cfg: MedusaConfig):
     cfg.medusa_head_weights = weights
 
 
-def parse(algo, config, num_layers: int, vocab_size: int):
-    """A validated Eagle3Config or MedusaConfig for a base model of `num_layers` layers and
-    `vocab_size` tokens (the defaults and range checks need them)."""
-    name, raw = _split_form(algo, config)
+def _validate_draft_model(cfg: DraftModelConfig):
+    if not cfg.model:
+        raise SpecConfigError("draft_model needs 'model': the checkpoint of the draft GPT to "
+                              "distil (e.g. checkpoint_tools/prune_depth.py's --out)")
+    cfg.model = str(cfg.model)
+
+
+def parse(algo, config, num_layers: int, vocab_size: int, algos=ALGOS):
+    """A validated Eagle3Config, MedusaConfig (or, where `algos` allows, DraftModelConfig) for
+    a base model of `num_layers` layers and `vocab_size` tokens (the defaults and range checks
+    need them)."""
+    name, raw = _split_form(algo, config, algos)
     cls = _CLASSES[name]
     allowed = user_keys(cls)
     unknown = sorted(k for k in raw if k not in allowed)
@@ -147,8 +171,10 @@ def parse(algo, config, num_layers: int, vocab_size: int):
     cfg = cls(**raw)
     if name == "eagle3":
         _validate_eagle3(cfg, num_layers, vocab_size)
-    else:
+    elif name == "medusa":
         _validate_medusa(cfg)
+    else:
+        _validate_draft_model(cfg)
     return cfg
 
 

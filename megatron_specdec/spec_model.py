@@ -19,6 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_specdec.layers import aux_capture, losses
+from megatron_specdec.layers.vocab_parallel import vocab_parallel_gather
 
 
 class SpeculativeGPTModel(MegatronModule):
@@ -135,6 +136,8 @@ class SpeculativeGPTModel(MegatronModule):
     def draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
         """The draft's loss report from the last stage's base state (online forward and the
         offline trainer, which replays dumped states, share it)."""
+        if self.algo == "draft_model":
+            return self._distill_loss(state, input_ids, loss_mask, attention_mask)
         if self.algo == "medusa":
             hidden, base_logits = self.base_head(state.residual)
             vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
@@ -155,6 +158,16 @@ class SpeculativeGPTModel(MegatronModule):
             ps.get_tensor_model_parallel_rank() * base_logits.shape[-1], self.vocab_size,
             cfg.ttt_decay,
         )
+
+    def _distill_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
+        """A draft GPT's distillation loss: at every position whose next token is scored,
+        its next-token distribution against the base's (gathered over TP)."""
+        b, s = input_ids.shape
+        rows = losses.next_token_mask(loss_mask).reshape(-1).nonzero().squeeze(1)
+        _, base_logits = self.base_head(state.residual.reshape(s * b, 1, -1)[rows])
+        base_logits = vocab_parallel_gather(base_logits, self.vocab_size)
+        return losses.distill_loss(self.draft.logits(input_ids, attention_mask, rows),
+                                   base_logits, self.vocab_size, self.draft.group)
 
     # ---- checkpoints ------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

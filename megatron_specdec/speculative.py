@@ -70,9 +70,37 @@ def set_draft_vocab(model: SpeculativeGPTModel, d2t, t2d):
         _init_eagle3_output(model.base, model.draft, model.spec_config)
 
 
-def attach(model, cfg, hf_config=None) -> SpeculativeGPTModel:
-    """Wrap `model` with the draft described by an already validated config."""
+def load_draft_gpt(path, dtype, vocab_size: int, tokenizer_dir=None):
+    """The draft GPT of checkpoint `path` (refused unless it is a plain GPT of the base's
+    vocabulary), in `dtype`, whole on this rank, trainable, as a DraftGPT. Collective over
+    the world: the checkpoint reader is."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_specdec.decoding.draft_model_drafter import (check_draft_checkpoint,
+                                                               own_process_groups)
+    from megatron_specdec.layers.draft_gpt import DraftGPT
+    from megatron_specdec.model_provider import make_model_provider
+
+    meta = check_draft_checkpoint(path, vocab_size, tokenizer_dir)
+    provider = make_model_provider(
+        checkpoint.hf_config_from_meta(meta), dtype=dtype,
+        transformer_impl=meta["transformer_impl"], padding=meta["padding"],
+        pg_collection=own_process_groups())
+    gpt = provider(pre_process=True, post_process=True).to(device())
+    # Every replica reads whole tensors, so reads overlap: skip the access-integrity check.
+    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), str(path),
+                                                validate_access_integrity=False))
+    return DraftGPT(gpt)
+
+
+def attach(model, cfg, hf_config=None, tokenizer_dir=None) -> SpeculativeGPTModel:
+    """Wrap `model` with the draft described by an already validated config (a draft GPT is
+    read from `cfg.model` on every rank and kept on the last stage; `tokenizer_dir`: the
+    base's, which its tokenizer must equal)."""
     vocab_size = hf_config.vocab_size if hf_config is not None else model.vocab_size
+    if cfg.algo == "draft_model":
+        draft = load_draft_gpt(cfg.model, model.config.params_dtype, vocab_size, tokenizer_dir)
+        return SpeculativeGPTModel(model, cfg, draft if model.post_process else None, vocab_size)
     groups = (families.query_groups(hf_config) if hf_config is not None
               else model.config.num_query_groups)
     return SpeculativeGPTModel(model, cfg, build_draft(model, cfg, vocab_size, groups), vocab_size)
@@ -119,6 +147,22 @@ def save_speculative(model, path, base_meta: dict, tokenizer_dir=None, overwrite
     return checkpoint.save_checkpoint(
         model, path, speculative_meta(base_meta, model.spec_config), tokenizer_dir, overwrite
     )
+
+
+def save_trained(model, path, base_meta: dict, tokenizer_dir=None, record=None):
+    """What a training run leaves at `path`: a speculative checkpoint (base + draft module),
+    or, for a draft GPT, the draft alone as a plain GPT checkpoint (what `--drafter
+    draft-model` and megatron_to_hf read) whose metadata adds `distilled` (`record`)."""
+    if model.algo != "draft_model":
+        return save_speculative(model, path, base_meta, tokenizer_dir, overwrite=True)
+    from megatron_specdec.layers.draft_gpt import replicas
+
+    meta = checkpoint.base_meta_of(checkpoint.read_meta(model.spec_config.model))
+    meta.update(dtype=checkpoint.dtype_name(model.config.params_dtype), distilled=record or {})
+    draft = model.draft  # the last stage's; other stages write nothing
+    state = replicas(draft.gpt.sharded_state_dict()) if draft is not None else {}
+    return checkpoint.save_checkpoint(None, path, meta, tokenizer_dir, overwrite=True,
+                                      sharded_state_dict=state)
 
 
 def _base_checkpoint_meta(path) -> dict:

@@ -20,13 +20,15 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_specdec.layers.vocab_parallel import vocab_parallel_argmax
 
 
-def _tp():
-    group = ps.get_tensor_model_parallel_group()
+def _tp(group=None):
+    """(group, size, rank) of the vocabulary split: the TP group unless given (a replicated
+    draft GPT passes its group of one)."""
+    group = group or ps.get_tensor_model_parallel_group()
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def _all_reduce(t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
-    group, size, _ = _tp()
+def _all_reduce(t: Tensor, op=dist.ReduceOp.SUM, group=None) -> Tensor:
+    group, size, _ = _tp(group)
     if size > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
@@ -61,18 +63,18 @@ def draft_target_logits(base_logits: Tensor, target_ids: Tensor, padded_draft_vo
     return out.t()
 
 
-def _split_softmax(logits: Tensor):
+def _split_softmax(logits: Tensor, group=None):
     """exp(x - max), max and sum of the softmax of logits split over TP (float32)."""
     logits = logits.float()
-    top = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
+    top = _all_reduce(logits.max(-1).values, dist.ReduceOp.MAX, group)
     exp = torch.exp(logits - top[:, None])
-    return exp, top, _all_reduce(exp.sum(-1))
+    return exp, top, _all_reduce(exp.sum(-1), group=group)
 
 
 @torch.no_grad()
-def target_probs(target_logits: Tensor) -> Tensor:
+def target_probs(target_logits: Tensor, group=None) -> Tensor:
     """Softmax of vocab-parallel target logits; computed once and shared by every TTT step."""
-    exp, _, total = _split_softmax(target_logits)
+    exp, _, total = _split_softmax(target_logits, group)
     return exp.div_(total[:, None])
 
 
@@ -84,24 +86,26 @@ class _SoftCrossEntropy(torch.autograd.Function):
     logits with p = 0)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, p: Tensor, valid: int):
+    def forward(ctx, logits: Tensor, p: Tensor, valid: int, group):
         x = logits.float()
-        q_exp, q_max, q_sum = _split_softmax(x)
-        dot = _all_reduce((p[:, :valid] * x[:, :valid]).sum(-1))
+        q_exp, q_max, q_sum = _split_softmax(x, group)
+        dot = _all_reduce((p[:, :valid] * x[:, :valid]).sum(-1), group=group)
         ctx.save_for_backward(q_exp.div_(q_sum[:, None]), p)
         return q_max + torch.log(q_sum) - dot
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, p = ctx.saved_tensors
-        return (q - p) * grad[:, None], None, None
+        return (q - p) * grad[:, None], None, None, None
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor, valid: Optional[int] = None) -> Tensor:
+def soft_cross_entropy(logits: Tensor, probs: Tensor, valid: Optional[int] = None,
+                       group=None) -> Tensor:
     """Per-token soft cross-entropy [N] of vocab-parallel logits against vocab-parallel target
     probabilities `probs` (from `target_probs`; softmax over the whole, split, vocabulary);
-    `valid`: this rank's columns before its padding (default all)."""
-    return _SoftCrossEntropy.apply(logits, probs, logits.shape[-1] if valid is None else valid)
+    `valid`: this rank's columns before its padding (default all); `group`: see `_tp`."""
+    return _SoftCrossEntropy.apply(logits, probs, logits.shape[-1] if valid is None else valid,
+                                   group)
 
 
 def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
@@ -111,6 +115,11 @@ def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
     if shift < s:
         out[: s - shift] = loss_mask[:, shift:].t().float()
     return out
+
+
+def next_token_mask(loss_mask: Tensor) -> Tensor:
+    """[s, b] mask of the positions whose next token is scored."""
+    return _shift_mask(loss_mask, 1)
 
 
 def _chain_mask(loss_mask: Tensor, attention_mask: Optional[Tensor], step: int) -> Tensor:
@@ -190,6 +199,22 @@ def medusa_loss(head_logits: List[Tensor], input_ids: Tensor, loss_mask: Tensor,
         stats["step_correct"].append(((top == labels).float() * mask).sum())
         stats["step_count"].append(mask.sum())
     return _pack(total, _shift_mask(loss_mask, 2).sum(), stats)
+
+
+def distill_loss(draft_logits: Tensor, base_logits: Tensor, vocab_size: int, group) -> dict:
+    """Forward KL of a draft GPT to the base, as the cross-entropy of the draft's next-token
+    distribution against the base's (the base entropy is a constant), over n scored positions.
+    draft_logits, base_logits: [n, Vp], whole vocabularies (the draft is replicated, the base
+    logits gathered); padded ids past `vocab_size` take no part. Reports top-1 agreement."""
+    with torch.no_grad():
+        p = target_probs(base_logits[:, :vocab_size], group)
+    ce = soft_cross_entropy(draft_logits[:, :vocab_size], p, group=group)
+    with torch.no_grad():
+        hit = (draft_logits[:, :vocab_size].argmax(-1) == p.argmax(-1)).float()
+    total = ce.sum()
+    n = torch.tensor(float(ce.shape[0]), device=ce.device)
+    return _pack(total, n, {"step_loss": [total.detach()], "step_correct": [hit.sum()],
+                            "step_count": [n]})
 
 
 def _pack(total, num_tokens, stats) -> dict:

@@ -57,7 +57,8 @@ def draft_config(recipe, hf_config, stored=None):
         return spec_config.from_dict(stored)
     try:
         return spec_config.parse(recipe.draft.algo, dict(recipe.draft.config),
-                                 hf_config.num_hidden_layers, hf_config.vocab_size)
+                                 hf_config.num_hidden_layers, hf_config.vocab_size,
+                                 spec_config.TRAINABLE)
     except spec_config.SpecConfigError as e:
         raise RecipeError(f"recipe key 'draft.config': {e}") from None
 
@@ -86,7 +87,12 @@ def build_speculative(recipe, calibrate: bool = True):
     if recipe.data.tokenizer is not None:
         tokenizer_dir = resolve_model_path(recipe.data.tokenizer)
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    model = attach(base, cfg, hf_config)
+    try:
+        model = attach(base, cfg, hf_config, tokenizer_dir)
+    except (checkpoint.CheckpointError, ValueError) as e:
+        if cfg.algo != "draft_model":
+            raise
+        raise RecipeError(f"recipe key 'draft.config.model': {e}") from None
     if stored is not None:
         checkpoint.load_checkpoint(model, resolve_model_path(recipe.model.path))
     elif (calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size):

@@ -18,8 +18,10 @@ SUMMARY_FILE = "summary.json"
 
 
 def num_draft_steps(cfg) -> int:
-    """Per-step statistics a report holds: EAGLE3 unrolled steps or Medusa heads."""
-    return cfg.ttt_steps if cfg.algo == "eagle3" else cfg.medusa_num_heads
+    """Per-step statistics a report holds: EAGLE3 unrolled steps, Medusa heads, or the one
+    next-token prediction of a draft GPT."""
+    return {"eagle3": lambda: cfg.ttt_steps, "medusa": lambda: cfg.medusa_num_heads,
+            "draft_model": lambda: 1}[cfg.algo]()
 
 
 def step_stats(reports, num_steps: int) -> dict:

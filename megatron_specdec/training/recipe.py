@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_specdec.spec_config import ALGOS
+from megatron_specdec.spec_config import TRAINABLE
 
 
 class RecipeError(ValueError):
@@ -157,7 +157,8 @@ def validate(r: Recipe):
            f"{r.model.dtype!r}; expected float32, bfloat16 or float16")
     _check(r.parallelism.tp >= 1, "parallelism.tp", "must be >= 1")
     _check(r.parallelism.pp >= 1, "parallelism.pp", "must be >= 1")
-    _check(r.draft.algo in ALGOS, "draft.algo", f"{r.draft.algo!r}; expected one of {ALGOS}")
+    _check(r.draft.algo in TRAINABLE, "draft.algo",
+           f"{r.draft.algo!r}; expected one of {TRAINABLE}")
     _check(len(r.data.train) > 0, "data.train", "needs at least one jsonl file")
     _check(r.data.seq_length >= 4, "data.seq_length", "must be >= 4")
     _check(r.data.on_error in ("skip", "fail"), "data.on_error", "expected skip or fail")
@@ -181,6 +182,9 @@ def validate(r: Recipe):
     _check(r.evaluation.interval >= 0, "evaluation.interval", "must be >= 0")
     _check(r.evaluation.interval == 0 or r.evaluation.prompts is not None, "evaluation.prompts",
            "needed when evaluation.interval > 0")
+    _check(r.evaluation.interval == 0 or r.draft.algo != "draft_model", "evaluation.interval",
+           "must be 0 for draft.algo draft_model (measure the final draft GPT with "
+           "`decoding.validate --drafter draft-model --draft-model <output_dir>/final`)")
     _check(r.logging.interval >= 1, "logging.interval", "must be >= 1")
 
 

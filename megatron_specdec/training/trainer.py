@@ -2,8 +2,9 @@
 pipeline schedule (the base frozen, gradients only in the draft), data-parallel gradient
 averaging, global-norm clipping, AdamW on fp32 master weights, the lr schedule as a pure
 function of the step.
-Checkpoints every `checkpointing.interval` steps and at the end; the trained model (base +
-draft) is written to `<output_dir>/final` as a speculative checkpoint."""
+Checkpoints every `checkpointing.interval` steps and at the end; the trained model is written
+to `<output_dir>/final`: base + draft module as a speculative checkpoint, or a distilled draft
+GPT (`draft.algo: draft_model`) alone as a plain GPT checkpoint."""
 
 import logging
 import time
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_specdec import checkpoint, distributed
-from megatron_specdec.speculative import save_speculative, speculative_meta
+from megatron_specdec.speculative import save_trained, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
                                        offline, optimizer)
 from megatron_specdec.training.batches import step_batches
@@ -105,7 +106,9 @@ def train(recipe) -> dict:
         if evaluation.due(recipe, state.step):
             acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
     final = Path(recipe.output_dir) / FINAL_DIR
-    save_speculative(model, final, meta, tokenizer_dir, overwrite=True)
+    save_trained(model, final, meta, tokenizer_dir,
+                 {"base_model": recipe.model.path, "data": list(recipe.data.train),
+                  "steps": state.step, "scored_tokens": state.tokens})
     elapsed = time.time() - start_time
     summary = {
         "steps": state.step, "steps_this_run": state.step - start_step,
