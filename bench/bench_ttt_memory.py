@@ -1,0 +1,166 @@
+"""Peak host memory of one EAGLE3 training step, TTT attention old vs new.
+
+    nice -n 10 python bench/bench_ttt_memory.py [--seqs 1024 2048 4096] [--limit-gib 13]
+
+The step: forward and backward of an EAGLE3 draft shaped as Llama-3.1-8B's (hidden 4096,
+32/8 heads, intermediate 14336, vocabulary 128256, draft vocabulary 32000, one layer,
+7 TTT steps) over a 2-layer random base of the same shape, bf16, batch 1, the second half
+of the row scored (a prompt of s/2 tokens). "new" is `layers/ttt_attention.py`; "old" is
+its version at commit 70cdf82 (one s x s fp32 score block per step and head, softmaxed
+together with the per-step chain scores), read with `git show` and put in its place.
+
+Each (implementation, s) runs in a child process: it builds the model, resets the kernel's
+peak-RSS counter (/proc/self/clear_refs), runs the step and reports VmHWM (the step's
+peak RSS: weights, gradients, activations) and the RSS before the step. A watchdog in the
+child exits it once its RSS passes --limit-gib (the machine is shared; it has no swap),
+and a run whose step memory, extrapolated quadratically (old) from the last s, would pass
+the limit is not started. Writes bench/results/ttt_memory.json and prints a table.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_COMMIT = "70cdf82"
+GIB = 2**30
+
+
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _watchdog(limit_bytes: int):
+    def watch():
+        while True:
+            if _status_kib("VmRSS") * 1024 > limit_bytes:
+                print(json.dumps({"error": f"RSS passed {limit_bytes / GIB:.1f} GiB"}), flush=True)
+                os._exit(3)
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _use_old_attention():
+    """Put the TTT attention of OLD_COMMIT where the draft layer calls it."""
+    from megatron_specdec.layers import eagle3_layer
+
+    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:megatron_specdec/layers/ttt_attention.py"],
+                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    old = types.ModuleType("ttt_attention_old")
+    exec(compile(source, "ttt_attention_old.py", "exec"), old.__dict__)
+
+    def attention(query, blocks, mask, scale, dropout_p=0.0):
+        return old.ttt_attention(query, blocks, old.TTTMask(mask.base_mask, mask.step), scale)
+
+    eagle3_layer.ttt_attention = attention
+
+
+def child(impl: str, s: int, limit_gib: float):
+    import torch
+    from transformers import LlamaConfig
+
+    from megatron_specdec import distributed
+    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.speculative import convert
+
+    _watchdog(int(limit_gib * GIB))
+    if impl == "old":
+        _use_old_attention()
+    distributed.initialize(1, 1)
+    hf = LlamaConfig(num_hidden_layers=2, hidden_size=4096, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                     max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0,
+                     rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    base = build_model(hf, dtype=torch.bfloat16, perform_initialization=False)
+    with torch.no_grad():  # uniform fill: megatron's initialisation takes minutes here
+        for p in base.parameters():
+            p.uniform_(-0.02, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    model = convert(base, "eagle3", {"draft_vocab_size": 32000, "ttt_steps": 7,
+                                     "eagle_num_layers": 1,
+                                     "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}, hf_config=hf)
+    ids = torch.randint(0, hf.vocab_size, (1, s))
+    loss_mask = torch.zeros(1, s, dtype=torch.long)
+    loss_mask[:, s // 2:] = 1
+    before = _status_kib("VmRSS") * 1024
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    start = time.time()
+    model(ids, loss_mask)["loss_sum"].backward()
+    seconds = time.time() - start
+    peak = _status_kib("VmHWM") * 1024
+    grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+    print(json.dumps({"impl": impl, "seq": s, "rss_before_mib": before / 2**20,
+                      "peak_mib": peak / 2**20, "step_mib": (peak - before) / 2**20,
+                      "seconds": seconds, "draft_grads": grads}), flush=True)
+
+
+def run_child(impl: str, s: int, limit_gib: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, "--seqs", str(s), "--limit-gib", str(limit_gib)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"impl": impl, "seq": s, "error": f"exit {out.returncode}: {out.stderr[-500:]}"}
+    return {"impl": impl, "seq": s, **json.loads(lines[-1])}
+
+
+def _write(path, rows):
+    """Write the rows so far (a long run leaves what it has measured); returns the load."""
+    load = os.getloadavg()
+    Path(path).write_text(json.dumps({
+        "shape": "Llama-3.1-8B draft (1 layer, h 4096, 32/8 heads, ffn 14336, V 128256, "
+                 "draft V 32000) over a 2-layer random base, bf16, batch 1, 7 TTT steps, "
+                 "half the row scored",
+        "old": f"layers/ttt_attention.py at {OLD_COMMIT}", "load_avg": load,
+        "rows": rows}, indent=1) + "\n")
+    return load
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", nargs="+", type=int, default=[1024, 2048, 4096])
+    p.add_argument("--impls", nargs="+", default=["new", "old"])
+    p.add_argument("--limit-gib", type=float, default=13.0)
+    p.add_argument("--child", choices=["new", "old"])
+    p.add_argument("--out", default=str(ROOT / "bench/results/ttt_memory.json"))
+    args = p.parse_args()
+    if args.child:
+        return child(args.child, args.seqs[0], args.limit_gib)
+    rows, last = [], {}
+    for s in args.seqs:
+        for impl in args.impls:
+            prev = last.get(impl)
+            if prev is not None and "step_mib" in prev:
+                growth = (s / prev["seq"]) ** (2 if impl == "old" else 1)
+                predicted = prev["rss_before_mib"] + prev["step_mib"] * growth
+                if predicted > args.limit_gib * 1024:
+                    rows.append({"impl": impl, "seq": s, "skipped": f"predicted peak {predicted:.0f} "
+                                 f"MiB > limit {args.limit_gib * 1024:.0f} MiB"})
+                    print(rows[-1], flush=True)
+                    continue
+            last[impl] = run_child(impl, s, args.limit_gib)
+            rows.append(last[impl])
+            print(rows[-1], flush=True)
+            _write(args.out, rows)
+    load = _write(args.out, rows)
+    print(f"\n{'s':>6s} {'impl':5s} {'RSS before MiB':>15s} {'peak MiB':>9s} {'step MiB':>9s} {'s/step':>7s}")
+    for r in rows:
+        if "step_mib" in r:
+            print(f"{r['seq']:6d} {r['impl']:5s} {r['rss_before_mib']:15.0f} {r['peak_mib']:9.0f} "
+                  f"{r['step_mib']:9.0f} {r['seconds']:7.1f}")
+        else:
+            print(f"{r['seq']:6d} {r['impl']:5s} {r.get('skipped') or r.get('error')}")
+    print(f"load average after: {load[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
