@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "SPECDEC_VLLM_PYTHON"
@@ -58,13 +58,23 @@ def vllm_python() -> Path:
 
 
 def eagle3_config(draft_dir, num_speculative_tokens: int) -> dict:
-    """vLLM's speculative_config for an exported EAGLE3 draft directory."""
-    return {"method": "eagle3", "model": str(draft_dir),
+    """vLLM's speculative_config for an exported EAGLE3 draft directory (made absolute: the
+    runner works in a temporary directory)."""
+    return {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
             "num_speculative_tokens": num_speculative_tokens}
 
 
 def medusa_config(draft_dir, num_speculative_tokens: int) -> dict:
-    return {"method": "medusa", "model": str(draft_dir),
+    """vLLM's speculative_config for a Medusa export (FasterDecoding layout); vLLM asks for
+    num_speculative_tokens == medusa_num_heads."""
+    return {"method": "medusa", "model": str(Path(draft_dir).resolve()),
+            "num_speculative_tokens": num_speculative_tokens}
+
+
+def draft_model_config(draft_dir, num_speculative_tokens: int) -> dict:
+    """vLLM's speculative_config for a separate draft model of the target's vocabulary: an
+    ordinary HF directory (e.g. checkpoint_tools/prune_depth.py, then megatron_to_hf.py)."""
+    return {"method": "draft_model", "model": str(Path(draft_dir).resolve()),
             "num_speculative_tokens": num_speculative_tokens}
 
 
@@ -76,16 +86,22 @@ def ngram_config(num_speculative_tokens: int, lookup_max: int = 3, lookup_min: i
 
 def generate(model_dir, prompts: List[List[int]], max_new_tokens: int,
              runs: Dict[str, Optional[dict]], dtype: str = "float32",
-             max_model_len: Optional[int] = None, timeout: float = 1800) -> Dict[str, RunResult]:
-    """Greedy generation of `max_new_tokens` per prompt (batch 1, end-of-sequence ignored) for
-    each run: name -> vLLM speculative_config, None for plain greedy. `model_dir` is an HF
-    directory with tokenizer files (vLLM reads its config and tokenizer)."""
+             max_model_len: Optional[int] = None, timeout: float = 1800,
+             stop_token_ids: Iterable[int] = ()) -> Dict[str, RunResult]:
+    """Greedy generation of up to `max_new_tokens` per prompt (batch 1) for each run: name ->
+    vLLM speculative_config, None for plain greedy. Generation stops at any of
+    `stop_token_ids` (left out of the outputs, as the project's generators do; vLLM's own
+    end-of-sequence ids stop it too); with none it ignores end-of-sequence and every output
+    has `max_new_tokens`. `model_dir` is an HF directory with tokenizer files (vLLM reads its
+    config and tokenizer)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one prompt, each with at least one token")
     longest = max(len(p) for p in prompts) + max_new_tokens
-    request = {"model": str(model_dir), "dtype": dtype, "max_new_tokens": max_new_tokens,
+    request = {"model": str(Path(model_dir).resolve()), "dtype": dtype,
+               "max_new_tokens": max_new_tokens,
                "max_model_len": max_model_len or longest + 16,
                "prompts": [list(map(int, p)) for p in prompts],
+               "stop_token_ids": sorted(int(t) for t in stop_token_ids),
                "runs": [{"name": n, "speculative_config": c} for n, c in runs.items()]}
     python = vllm_python()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no project packages

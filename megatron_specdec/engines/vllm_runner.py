@@ -1,14 +1,16 @@
 """Runs inside the vLLM virtual env (`.venv-vllm/bin/python vllm_runner.py REQUEST OUT`), never
 imported by the project: vLLM pins another torch and transformers than the project's env.
 
-REQUEST (JSON): model, dtype, max_new_tokens, max_model_len, prompts (lists of token ids) and
-runs, each {"name", "speculative_config" (absent: plain greedy)}. Every run gets its own engine
-in this one process (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0), generates the
-prompts one at a time (batch 1), greedily, ignoring end-of-sequence, after one short warm-up.
-OUT (JSON): {"runs": {name: result}}; a result holds the generated ids per
-prompt, seconds, tokens_per_s and vLLM's spec-decode counters over the timed prompts (drafts,
-draft_tokens, accepted, accepted_per_position, acceptance_length = 1 + accepted / drafts), or
-{"error": message} when the engine could not load or generate with that run's settings.
+REQUEST (JSON): model, dtype, max_new_tokens, max_model_len, prompts (lists of token ids),
+stop_token_ids (absent or empty: end-of-sequence ignored, every prompt gets max_new_tokens)
+and runs, each {"name", "speculative_config" (absent: plain greedy)}. Every run gets its own
+engine in this one process (in-process engine core: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+generates the prompts one at a time (batch 1), greedily, after one short warm-up.
+OUT (JSON): {"runs": {name: result}}; a result holds the generated ids per prompt (an eos or
+stop token vLLM ended on is removed: the project's generators never emit it), seconds,
+tokens_per_s and vLLM's spec-decode counters over the timed prompts (drafts, draft_tokens,
+accepted, accepted_per_position, acceptance_length = 1 + accepted / drafts), or {"error":
+message} when the engine could not load or generate with that run's settings.
 """
 
 import gc
@@ -60,16 +62,19 @@ def run_one(request: dict, run: dict) -> dict:
               enforce_eager=True, seed=0, disable_log_stats=False,
               speculative_config=run.get("speculative_config"))
     try:
+        stop = [int(t) for t in request.get("stop_token_ids") or ()]
         params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
-                                ignore_eos=True, detokenize=False)
+                                ignore_eos=not stop, stop_token_ids=stop or None,
+                                detokenize=False)
         prompts = [{"prompt_token_ids": list(p)} for p in request["prompts"]]
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
         llm.generate(prompts[:1], warm, use_tqdm=False)
         before, outputs = spec_counters(llm), []
         start = time.perf_counter()
         for prompt in prompts:
-            result = llm.generate([prompt], params, use_tqdm=False)[0]
-            outputs.append(list(result.outputs[0].token_ids))
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            ids = list(out.token_ids)  # "stop": ended on an eos or stop id (no stop strings)
+            outputs.append(ids[:-1] if out.finish_reason == "stop" else ids)
         seconds = time.perf_counter() - start
         stats = delta(spec_counters(llm), before)
     finally:
