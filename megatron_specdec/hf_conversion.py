@@ -55,8 +55,8 @@ def weight_rules(hf_config):
 
 
 def load_hf_into_model(model, hf_config, hf_state):
-    """Fill this rank's model shard from HF tensors (a dict, or files.HFTensors): one global
-    Megatron tensor is merged, sliced and copied at a time, and only this stage's."""
+    """Fill this rank's model shard from HF tensors (a dict, or files.HFTensors, which reads
+    only this rank's slices): one tensor is merged and copied at a time, only this stage's."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -74,13 +74,16 @@ def load_hf_into_model(model, hf_config, hf_state):
 
 
 def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
-    """This rank's shard of a Megatron GPTModel holding the weights of an HF directory, read
-    one tensor at a time (peak host memory: the shard plus about one global tensor)."""
+    """This rank's shard of a Megatron GPTModel holding the weights of an HF directory, each
+    rank reading only its slices, one tensor at a time (peak host memory: the shard plus about
+    one slice). Built uninitialised: every parameter is overwritten (a missing one is an
+    error), and megatron's CPU initialisation would build each global weight in fp32."""
     hf_dir = resolve_model_path(hf_dir)
     config = read_hf_config(hf_dir)
     state = files.HFTensors(hf_dir, dtype)
     check_hf_state(config, state.shapes(), hf_dir)
-    model = build_model(config, dtype=dtype, transformer_impl=transformer_impl)
+    model = build_model(config, dtype=dtype, transformer_impl=transformer_impl,
+                        perform_initialization=False)
     load_hf_into_model(model, config, state)
     return model, config
 

@@ -1,6 +1,7 @@
-"""Streaming HF <-> Megatron conversion: import holds about one source tensor at a time and
-writes the same checkpoint as merging the whole HF state in memory; export reads one layer
-per read and writes a safetensors file transformers loads, bitwise equal to the source."""
+"""Streaming HF <-> Megatron conversion: import holds about one source tensor at a time,
+each TP rank reads only its slices of them, and it writes the same checkpoint (at TP=1 and
+TP=2) as merging the whole HF state in memory; export reads one layer per read and writes a
+safetensors file transformers loads, bitwise equal to the source."""
 
 import weakref
 from collections.abc import Mapping
@@ -37,20 +38,31 @@ def hf_dir(tmp_path_factory):
 
 
 class LiveTensors(Mapping):
-    """HF tensors that count how many of those handed out are alive at once."""
+    """HF tensors (files.HFTensors) that count how many of those handed out are alive at once,
+    and the elements read of each."""
 
     def __init__(self, source):
-        self.source, self.live, self.peak = source, 0, 0
+        self.source, self.live, self.peak, self.elements = source, 0, 0, {}
 
     def _released(self):
         self.live -= 1
 
     def __getitem__(self, name):
-        tensor = self.source[name]
+        return self.read(name)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        tensor = self.source.read(name, dim, start, stop)
         self.live += 1
         self.peak = max(self.peak, self.live)
+        self.elements[name] = self.elements.get(name, 0) + tensor.numel()
         weakref.finalize(tensor, self._released)
         return tensor
+
+    def shape(self, name):
+        return self.source.shape(name)
+
+    def __contains__(self, name):
+        return name in self.source
 
     def __iter__(self):
         return iter(self.source)
@@ -70,8 +82,35 @@ def test_import_holds_one_merge_of_source_tensors_at_a_time(one_process, hf_dir)
     assert source.live == 0
 
 
-def test_streamed_import_writes_what_the_in_memory_merge_gives(one_process, hf_dir, tmp_path):
-    ckpt = hf_conversion.hf_to_megatron(hf_dir, tmp_path / "ckpt", dtype="bfloat16")
+@pytest.mark.parametrize("tp,padded_groups,padded_vocab", [(2, 2, 512), (4, 4, 1024)])
+def test_each_rank_reads_only_its_slices(hf_dir, tp, padded_groups, padded_vocab):
+    """Per-rank reads give exactly the rank's slice of the merged tensor (TP=4: two ranks hold
+    only padding groups, one only padding vocabulary rows), and the ranks together read every
+    element of a split tensor once."""
+    config = hf_conversion.read_hf_config(hf_dir)
+    rules = hf_conversion.weight_rules(config)
+    geo = mapping.Geometry.from_hf(config, {"vocab_size": padded_vocab,
+                                            "query_groups": padded_groups})
+    index = mapping.rule_index(rules, config.num_hidden_layers)
+    hf = files.HFTensors(hf_dir)
+    merged = mapping.MergedTensors(rules, hf, geo, config.num_hidden_layers)
+    split = {n for name in merged for n in merged._sources[name][1]
+             if index[name].tp_dim is not None}
+    read = {n: 0 for n in split}
+    for rank in range(tp):
+        source = LiveTensors(hf)
+        per_rank = mapping.MergedTensors(rules, source, geo, config.num_hidden_layers)
+        for name in merged:
+            want = mapping.shard(index[name], merged[name], rank, tp)
+            assert torch.equal(per_rank.shard(name, rank, tp), want), (name, rank)
+        for n in split:
+            read[n] += source.elements[n]
+    assert read == {n: hf[n].numel() for n in split}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_streamed_import_writes_what_the_in_memory_merge_gives(one_process, hf_dir, tmp_path, tp):
+    ckpt = hf_conversion.hf_to_megatron(hf_dir, tmp_path / "ckpt", tp=tp, dtype="bfloat16")
     config = hf_conversion.read_hf_config(hf_dir)
     meta = checkpoint.read_meta(ckpt)
     reference = mapping.hf_to_megatron(

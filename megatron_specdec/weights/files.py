@@ -38,20 +38,38 @@ def hf_weight_files(hf_dir) -> dict:
 class HFTensors(Mapping):
     """The tensors of an HF directory by name, each read from its file when asked for (and
     cast to `dtype` if floating): nothing is held between reads. The file is opened per read,
-    so no mapping of it outlives the tensor."""
+    so no mapping of it outlives the tensor. `read` reads part of a tensor (a TP rank's)."""
 
     def __init__(self, hf_dir, dtype=None):
         self._files = hf_weight_files(hf_dir)
         self._dtype = dtype
 
     def __getitem__(self, name):
+        return self.read(name)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        """The tensor, or its rows (dim 0) or columns (dim 1) [start, stop): only those
+        bytes are read (safetensors slices)."""
         from safetensors import safe_open
 
         with safe_open(str(self._files[name]), framework="pt") as f:
-            tensor = f.get_tensor(name)
+            if dim is None:
+                tensor = f.get_tensor(name)
+            else:
+                part = f.get_slice(name)
+                tensor = part[start:stop] if dim == 0 else part[:, start:stop]
         if self._dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self._dtype)
         return tensor
+
+    def shape(self, name) -> tuple:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def __contains__(self, name):  # Mapping's would read the tensor
+        return name in self._files
 
     def __iter__(self):
         return iter(self._files)

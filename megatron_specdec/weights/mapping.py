@@ -95,17 +95,31 @@ def merge(rule: Rule, tensors, geo: Geometry) -> torch.Tensor:
     if rule.kind == "gate_up":
         return torch.cat(tensors, dim=0)
     if rule.kind == "qkv":
-        q, k, v = tensors
-        rest = q.shape[1:]
-        q = q.reshape(geo.num_groups, geo.heads_per_group * geo.head_dim, *rest)
-        k = k.reshape(geo.num_groups, geo.head_dim, *rest)
-        v = v.reshape(geo.num_groups, geo.head_dim, *rest)
-        grouped = _pad_rows(torch.cat([q, k, v], dim=1), geo.padded_groups - geo.num_groups)
-        return grouped.reshape(-1, *rest)
+        return _group_qkv(*tensors, geo.num_groups, geo.padded_groups, geo)
     if rule.kind == "heads_in":
         extra = (geo.padded_groups - geo.num_groups) * geo.heads_per_group * geo.head_dim
-        return _pad_rows(tensors[0].t(), extra).t()
+        return _pad_cols(tensors[0], extra)
     raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
+    return _pad_rows(t.t(), cols).t()
+
+
+def _group_qkv(q, k, v, groups: int, padded: int, geo: Geometry) -> torch.Tensor:
+    """q/k/v rows of `groups` query groups -> `[q heads of group g, k_g, v_g]` per group,
+    then zero groups up to `padded`."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, geo.heads_per_group * geo.head_dim, *rest)
+    k = k.reshape(groups, geo.head_dim, *rest)
+    v = v.reshape(groups, geo.head_dim, *rest)
+    return _pad_rows(torch.cat([q, k, v], dim=1), padded - groups).reshape(-1, *rest)
+
+
+def _chunk_range(n: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
+    """[start, stop) of `chunk(tp_size)[tp_rank]` along a dimension of size n."""
+    size = -(-n // tp_size)
+    return min(tp_rank * size, n), min((tp_rank + 1) * size, n)
 
 
 def split(rule: Rule, tensor: torch.Tensor, geo: Geometry):
@@ -166,6 +180,46 @@ class MergedTensors(Mapping):
     def __getitem__(self, meg_name):
         rule, hf_names = self._sources[meg_name]
         return merge(rule, [self._hf[n] for n in hf_names], self._geo)
+
+    def _read(self, name, dim, start, stop):
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a source tensor: from its file
+        alone when the source can read slices (files.HFTensors), else a view."""
+        if hasattr(self._hf, "read"):
+            return self._hf.read(name, dim, start, stop)
+        return self._hf[name].narrow(dim, start, stop - start)
+
+    def _size(self, name, dim) -> int:
+        return (self._hf.shape(name) if hasattr(self._hf, "shape") else self._hf[name].shape)[dim]
+
+    def shard(self, meg_name, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """`shard(rule, self[meg_name], tp_rank, tp_size)`, read as the slices of its sources
+        this rank owns: a rank never reads, nor holds, another rank's part."""
+        rule, hf_names = self._sources[meg_name]
+        if rule.tp_dim is None or tp_size == 1:
+            return self[meg_name]
+        geo = self._geo
+        if rule.kind in ("qkv", "heads_in"):  # whole query groups, padding groups last
+            per_rank = geo.padded_groups // tp_size
+            first = tp_rank * per_rank
+            real = max(0, min(first + per_rank, geo.num_groups) - first)
+            width = geo.heads_per_group * geo.head_dim
+            if rule.kind == "heads_in":
+                cols = self._read(hf_names[0], 1, first * width, (first + real) * width)
+                return _pad_cols(cols, (per_rank - real) * width)
+            rows = [self._read(name, 0, first * w, (first + real) * w)
+                    for name, w in zip(hf_names, (width, geo.head_dim, geo.head_dim))]
+            return _group_qkv(*rows, real, per_rank, geo)
+        if rule.kind == "vocab":  # rows of the padded vocabulary, padding rows zero
+            start, stop = _chunk_range(geo.padded_vocab_size, tp_rank, tp_size)
+            rows = self._read(hf_names[0], 0, min(start, geo.vocab_size), min(stop, geo.vocab_size))
+            return _pad_rows(rows, stop - start - rows.shape[0])
+        if rule.kind == "gate_up":  # this rank's rows of gate, then of up
+            start, stop = _chunk_range(self._size(hf_names[0], 0), tp_rank, tp_size)
+            return torch.cat([self._read(name, 0, start, stop) for name in hf_names])
+        if rule.kind == "copy":
+            start, stop = _chunk_range(self._size(hf_names[0], rule.tp_dim), tp_rank, tp_size)
+            return self._read(hf_names[0], rule.tp_dim, start, stop)
+        raise ValueError(f"unknown rule kind {rule.kind!r}")
 
     def __iter__(self):
         return iter(self._sources)
@@ -229,8 +283,8 @@ def rule_index(rules, num_layers: int) -> dict:
 
 def load_into_model(model, rules, global_state, num_layers: int, layer_offset: int,
                     tp_rank: int, tp_size: int):
-    """Copy this rank's slices of `global_state` (a dict, or MergedTensors to read one
-    tensor at a time) into `model`'s parameters, checking shapes."""
+    """Copy this rank's slices of `global_state` (a dict, or MergedTensors to read only this
+    rank's slices, one tensor at a time) into `model`'s parameters, checking shapes."""
     index = rule_index(rules, num_layers)
     keys_map = layer_keys_map(model)
     params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -238,7 +292,10 @@ def load_into_model(model, rules, global_state, num_layers: int, layer_offset: i
         name = to_global_name(local_name, layer_offset, keys_map)
         if name not in global_state:
             raise WeightMappingError(f"no source tensor for model parameter {name!r}")
-        value = shard(index[name], global_state[name], tp_rank, tp_size)
+        if isinstance(global_state, MergedTensors):
+            value = global_state.shard(name, tp_rank, tp_size)
+        else:
+            value = shard(index[name], global_state[name], tp_rank, tp_size)
         if tuple(value.shape) != tuple(param.shape):
             raise WeightMappingError(
                 f"tensor {name!r}: expected shape {tuple(param.shape)} on TP rank {tp_rank}, "
@@ -246,4 +303,4 @@ def load_into_model(model, rules, global_state, num_layers: int, layer_offset: i
             )
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
-        del value  # not alive while the next global tensor is merged
+        del value  # not alive while the next tensor is read
