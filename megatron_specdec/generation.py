@@ -2,8 +2,9 @@
 
 Every rank of the model-parallel group runs the same loop. Pipeline stages hand hidden states
 to the next stage with point-to-point sends; the last stage gathers the vocab-parallel logits
-and broadcasts the chosen tokens back to all stages. Prompts are left-padded; pad keys are
-masked out, and RoPE is relative, so a row's result does not depend on its padding.
+and broadcasts the chosen tokens back to all stages. Prompts are left-padded, and each row of
+the cache has its own length (layers.decode_attention.DecodeCache): a row's tokens sit at the
+slots and RoPE positions they would have alone, whatever the batch.
 """
 
 import torch
@@ -13,8 +14,8 @@ import torch.distributed as dist
 class StageRunner:
     """One forward of this pipeline stage over a preallocated KV cache: `step(tokens)` appends
     `tokens` [b, s] to the cache and returns full-vocabulary logits [b, s, V] on the last
-    stage (None elsewhere). `rewind(n)` drops the last n cached positions; `compact` keeps
-    chosen ones (a verified draft tree's accepted path).
+    stage (None elsewhere). `rewind(n)` drops the last n cached positions (per row); `compact`
+    keeps chosen ones (a verified draft tree's accepted path).
 
     The stage runs as explicit code (embedding, each decoder layer, final norm, output
     layer) rather than through GPTModel.forward, so that a speculative decoder can read the
@@ -42,59 +43,39 @@ class StageRunner:
         self.last_rank = stages[-1]
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.params_dtype
-        self.key_padding = None
         self.capture_ids = set(capture_ids)
         self.capture_final = capture_final
         self.captured = {}
 
     @property
-    def length(self) -> int:
-        return self.context.sequence_len_offset
-
-    def set_padding(self, key_padding: torch.Tensor):
-        """[b, prompt_len] True where a prompt position is left padding."""
-        self.key_padding = key_padding if bool(key_padding.any()) else None
-
-    def _mask(self, s: int, device):
-        """[b|1, 1, s, offset + s] True where attention is not allowed (future or padding), or
-        None when nothing is (one new token, no padding). A query always sees its own key,
-        so a padding position's row is never empty (no NaN enters the cache)."""
-        offset = self.length
-        total = offset + s
-        if s == 1 and self.key_padding is None:
-            return None
-        q = torch.arange(offset, total, device=device).unsqueeze(1)
-        k = torch.arange(total, device=device).unsqueeze(0)
-        mask = (k > q).unsqueeze(0)
-        if self.key_padding is not None:
-            pad = torch.zeros(self.key_padding.shape[0], total, dtype=torch.bool, device=device)
-            width = min(self.key_padding.shape[1], total)
-            pad[:, :width] = self.key_padding[:, :width].to(device)
-            mask = (mask | pad[:, None, :]) & (k != q).unsqueeze(0)
-        return mask.unsqueeze(1)
+    def lengths(self) -> torch.Tensor:
+        """[b] cached tokens per row (host)."""
+        return self.context.lengths
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, last_only: bool = False, positions=None,
-             attention_mask=None):
+             attention_mask=None, counts=None):
         """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
         `last_only` just the final position's, so a long prefill never holds [b, s, vocab].
 
-        By default token i takes RoPE position = its cache slot and attends causally. A draft
-        tree passes its own `positions` [s] (shared by the batch) and `attention_mask`
-        [b|1, 1, s, length + s] (True = may not attend)."""
+        Row b's tokens go to its next slots and, by default, take RoPE position = slot and
+        attend causally. `counts` [b]: only the last counts[b] tokens of row b are real (a
+        left-padded chunk, layers.decode_attention.DecodeCache), so the final position holds
+        every row's newest real token. A draft tree (batch 1) passes its own `positions` [s]
+        and `attention_mask` [1, 1, s, length + s] (True = may not attend)."""
         b, s = tokens.shape
         device = tokens.device
-        pos = (torch.arange(self.length, self.length + s, device=device)
-               if positions is None else positions)
+        slots = self.context.place(s, device, counts)
+        pos = slots if positions is None else positions.expand(b, s)
         if self.first:
-            hidden = self.model.embedding(input_ids=tokens, position_ids=pos.expand(b, s))
+            hidden = self.model.embedding(input_ids=tokens, position_ids=pos)
         else:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)
-        mask = self._mask(s, device) if attention_mask is None else attention_mask
-        self.context.rotary = self.rotary[pos]
+        mask = self.context.causal_mask(slots) if attention_mask is None else attention_mask
+        self.context.rotary = self.rotary[pos.T][:, :, 0]
         hidden = self._layers(hidden, mask)
-        self.context.sequence_len_offset += s
+        self.context.commit()
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
@@ -127,19 +108,17 @@ class StageRunner:
                                                           group=model.tp_group)
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
-    def rewind(self, n: int):
-        self.context.sequence_len_offset -= n
+    def rewind(self, n):
+        """Drop the last n (int, or per row [b]) cached tokens of each row."""
+        self.context.rewind(n)
 
     def compact(self, start: int, slots: torch.Tensor):
-        """Move the cached entries at `slots` (ascending, >= start) to start, start + 1, ...
-        and drop every later one. Keys are cached rotated at their RoPE position, so when each
-        moved entry's position equals its new slot (a tree's accepted path: prefix + depth)
-        the result is the cache a chain forward over the same tokens writes; nothing is
-        recomputed."""
-        for key, value in self.context.key_value_memory_dict.values():
-            key[start: start + slots.numel()] = key[slots]
-            value[start: start + slots.numel()] = value[slots]
-        self.context.sequence_len_offset = start + slots.numel()
+        """Batch 1: keep the cached entries at `slots` (ascending, >= start) as start,
+        start + 1, ... and drop every later one. Keys are cached rotated at their RoPE position,
+        so when each moved entry's position equals its new slot (a tree's accepted path:
+        prefix + depth) the result is the cache a chain forward over the same tokens writes;
+        nothing is recomputed."""
+        self.context.compact(start, slots)
 
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Give every stage the last stage's `tensor` (same shape and dtype on all ranks)."""
@@ -149,7 +128,8 @@ class StageRunner:
 
 
 def left_pad(prompts, pad_id: int, device=None):
-    """[b, L] tokens and [b, L] padding flags for a ragged batch of prompts."""
+    """[b, L] tokens and [b] lengths of a ragged batch of prompts (the chunk
+    StageRunner.step takes with `counts`)."""
     if not prompts:
         raise ValueError("prompts: need a batch of at least one prompt")
     empty = [i for i, p in enumerate(prompts) if len(p) == 0]
@@ -158,11 +138,9 @@ def left_pad(prompts, pad_id: int, device=None):
                          f"of the batch is empty")
     length = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
-    padding = torch.ones(len(prompts), length, dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
         tokens[i, length - len(p):] = torch.as_tensor(p, dtype=torch.long)
-        padding[i, length - len(p):] = False
-    return tokens, padding
+    return tokens, torch.tensor([len(p) for p in prompts], device=device)
 
 
 @torch.no_grad()
@@ -179,16 +157,15 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
     from megatron_specdec.distributed import device
 
     sampler = Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
-    tokens, padding = left_pad(prompts, 0, device())
+    tokens, lengths = left_pad(prompts, 0, device())
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
-    runner.set_padding(padding)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=tokens.device)
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     results = [[] for _ in range(batch)]
-    step_input = tokens
+    step_input, counts = tokens, lengths
     for _ in range(max_new_tokens):
-        logits = runner.step(step_input, last_only=True)
+        logits = runner.step(step_input, last_only=True, counts=counts)
         next_tokens = torch.zeros(batch, dtype=torch.long, device=tokens.device)
         if runner.last and temperature == 0:
             next_tokens = logits[:, -1].argmax(-1)
@@ -203,5 +180,5 @@ def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_id
         done = finished
         if bool(done.all()):
             break
-        step_input = next_tokens.unsqueeze(1)
+        step_input, counts = next_tokens.unsqueeze(1), None
     return results

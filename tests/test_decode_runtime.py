@@ -75,10 +75,10 @@ def test_left_padded_batch_rows_equal_their_batch_1_output(model):
     batch = greedy_generate(model.base, prompts, 12, HF["vocab_size"])
     for prompt, row in zip(prompts, batch):
         assert row == greedy_generate(model.base, [prompt], 12, HF["vocab_size"])[0]
-    tokens, padding = left_pad(prompts, 0)
+    tokens, lengths = left_pad(prompts, 0)
     runner = StageRunner(model.base, len(prompts), tokens.shape[1], HF["vocab_size"])
-    runner.set_padding(padding)
-    runner.step(tokens)
+    runner.step(tokens, counts=lengths)
+    assert runner.lengths.tolist() == [3, 17, 9]  # padding takes no slot of its row
     for keys, values in runner.context.key_value_memory_dict.values():
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
 

@@ -70,7 +70,7 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
                 model, K, drafter_kind="ngram").generate(PROMPT, NEW)}
         generator = SpeculativeGenerator(model, K, tree=oracle_tree, policy="fixed")
         if generator.drafter is not None:  # the last stage
-            generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
+            generator.drafter = OracleDrafter(generator.drafter, [greedy], [WRONG_AT],
                                               HF["vocab_size"])
         results[algo] = {"greedy": greedy[:NEW], "plain": plain,
                          "oracle": generator.generate(PROMPT, NEW)}
@@ -100,11 +100,17 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     from megatron_specdec.decoding.ngram_drafter import NgramDrafter
 
     drafter = NgramDrafter(max_ngram=2)
-    drafter.start(torch.tensor([[5, 1, 2, 3, 1, 2, 4, 1]]), torch.tensor([[2]]), None, 0)
-    assert drafter.propose(3).tolist() == [[4, 1, 2]]  # "1 2" last seen before "4 1 2"
-    drafter.accept(0, torch.tensor([[7]]), None)
-    assert drafter.propose(3).shape == (1, 0)  # 7 never occurred before
-    drafter.accept(0, torch.tensor([[5]]), None)
-    assert drafter.propose(2).tolist() == [[1, 2]]  # unigram fallback
+    one = torch.ones(1, dtype=torch.long)
+    drafter.start(torch.tensor([[5, 1, 2, 3, 1, 2, 4, 1]]), 8 * one, torch.tensor([[2]]), None, 0)
+    assert drafter.propose(3)[0].tolist() == [[4, 1, 2]]  # "1 2" last seen before "4 1 2"
+    drafter.accept(torch.tensor([[7]]), one, None)
+    assert drafter.propose(3)[0].shape == (1, 0)  # 7 never occurred before
+    drafter.accept(torch.tensor([[5]]), one, None)
+    assert drafter.propose(2)[0].tolist() == [[1, 2]]  # unigram fallback
+    # A batch: each row looks up its own history (padding is not history).
+    drafter.start(torch.tensor([[7, 8, 5, 1, 3], [1, 2, 3, 1, 2]]), torch.tensor([3, 5]),
+                  torch.tensor([[7], [3]]), None, 0)
+    drafts, counts = drafter.propose(2)
+    assert counts.tolist() == [0, 2] and drafts[1].tolist() == [1, 2]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramDrafter(min_ngram=0)

@@ -26,7 +26,7 @@ def _generator(model, greedy, cls=None):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
 
     generator = (cls or SpeculativeGenerator)(model, K, policy="fixed")
-    generator.drafter = OracleDrafter(generator.drafter, greedy)
+    generator.drafter = OracleDrafter(generator.drafter, [greedy])
     return generator
 
 
@@ -79,9 +79,9 @@ def test_speculative_sampling_matches_plain_sampling(model):
         return result.tokens
 
     class KeepsEveryDraft(SpeculativeGenerator):
-        def _accept(self, drafts, logits):
+        def _accept(self, drafts, counts, logits):
             tokens = torch.cat([drafts, drafts.new_full((1, 1), 0)], dim=1)
-            return tokens, torch.tensor([drafts.shape[1]])
+            return tokens, counts
 
     wrong = _generator(model, greedy, KeepsEveryDraft)
 

@@ -33,7 +33,7 @@ def worker(tp, pp, hf_dir, prompt, out_file, tree=None, oracle_tree=None):
         results[algo] = SpeculativeGenerator(model, tree=tree).generate(prompt, NEW)
         generator = SpeculativeGenerator(model, tree=oracle_tree)
         if generator.drafter is not None:  # the last stage
-            generator.drafter = OracleDrafter(generator.drafter, greedy, WRONG_AT,
+            generator.drafter = OracleDrafter(generator.drafter, [greedy], [WRONG_AT],
                                               config.vocab_size)
         results[f"{algo}_oracle"] = generator.generate(prompt, NEW)
     if is_writer():

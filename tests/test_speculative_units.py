@@ -2,7 +2,7 @@
 draft cache after many accepts and rollbacks equals a fresh prefill of the same sequence;
 the cached draft chain reproduces the training-time-test unroll it was trained with; the
 acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG, for chain
-and tree drafting."""
+(at batch 2) and tree drafting, and names a bad --batch-size."""
 
 import json
 import subprocess
@@ -36,23 +36,25 @@ def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
 
     greedy = greedy_generate(eagle3.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
     embedding = last_stage_embedding(eagle3)
-    oracle = OracleDrafter(Eagle3Drafter(eagle3, embedding), greedy, WRONG_AT,
+    oracle = OracleDrafter(Eagle3Drafter(eagle3, embedding), [greedy], [WRONG_AT],
                            HF["vocab_size"])
     result = SpeculativeGenerator(eagle3, K, drafter=oracle).generate(PROMPT, NEW)
     assert result.accepted == expected_accepts(K, NEW, WRONG_AT)
     used = oracle.inner
     seq = PROMPT + greedy
-    n = used.length
+    n = int(used.real[0])
     assert n == len(PROMPT) + sum(a + 1 for a in result.accepted[:-1])
     fresh = Eagle3Drafter(eagle3, embedding)
     max_length = len(seq) + K
-    fresh.start(torch.tensor([seq[:n]]), torch.tensor([[seq[n]]]),
-                _prefill(eagle3, seq[:n], max_length), max_length)
-    for (k_used, v_used), (k_fresh, v_fresh) in zip(
-            [blocks[0] for blocks in used.kv], [blocks[0] for blocks in fresh.kv]):
-        torch.testing.assert_close(k_used, k_fresh, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v_used, v_fresh, atol=1e-4, rtol=1e-4)
-    assert torch.equal(used.propose(K), fresh.propose(K))
+    with torch.no_grad():
+        fresh.start(torch.tensor([seq[:n]]), torch.tensor([n]), torch.tensor([[seq[n]]]),
+                    _prefill(eagle3, seq[:n], max_length), max_length)
+        for (k_used, v_used), (k_fresh, v_fresh) in zip(
+                used.cache.key_value_memory_dict.values(),
+                fresh.cache.key_value_memory_dict.values()):
+            torch.testing.assert_close(k_used[:n], k_fresh[:n], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v_used[:n], v_fresh[:n], atol=1e-4, rtol=1e-4)
+        assert torch.equal(used.propose(K)[0], fresh.propose(K)[0])
 
 
 def test_cached_chain_equals_training_time_test(eagle3):
@@ -75,7 +77,8 @@ def test_cached_chain_equals_training_time_test(eagle3):
         drafter = Eagle3Drafter(eagle3, embedding)
         prefix = type(out)(out.logits[:, : t + 1], out.aux[: t + 1], None)
         with torch.no_grad():
-            drafter.start(torch.tensor([seq[: t + 1]]), torch.tensor([[seq[t + 1]]]), prefix, s)
+            drafter.start(torch.tensor([seq[: t + 1]]), torch.tensor([t + 1]),
+                          torch.tensor([[seq[t + 1]]]), prefix, s)
             hidden, logits = drafter._last
             torch.testing.assert_close(logits[0], ttt[0][t], atol=1e-4, rtol=1e-4)
             for j in range(1, steps):
@@ -138,10 +141,11 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     run = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
-         "--max-new-tokens", "12"], capture_output=True, text=True)
+         "--max-new-tokens", "12", "--batch-size", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "acceptance.json").read_text())
     assert report["num_prompts"] == 3 and report["num_draft_tokens"] == 3
+    assert report["batch_size"] == 2
     assert set(report["categories"]) == {"math", "writing"}
     assert report["identical_to_greedy"] == "3/3"
     overall = report["overall"]
@@ -188,3 +192,10 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
          "--temperature", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
+    for extra, message in ((["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+                           (["--batch-size", "2", "--tree-top-k", "2"], "--batch-size 2 with a tree")):
+        bad = subprocess.run(
+            [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+             str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out), *extra],
+            capture_output=True, text=True)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]

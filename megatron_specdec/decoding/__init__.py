@@ -1,12 +1,13 @@
 """Speculative decoding with a SpeculativeGPTModel over megatron-core KV caches.
 
 `SpeculativeGenerator(model, num_draft_tokens).generate(prompt_ids, max_new_tokens, eos_ids)`
-drafts a chain of up to k tokens (EAGLE3 draft with its own KV cache, Medusa heads, or
-prompt lookup; draft_policy.py decides how many), verifies it in one base forward, accepts
-with the fused chain ops and rolls both caches back; greedy, its output equals plain greedy
-generation; with `sampling=Sampling(...)` it samples losslessly. `tree=TreeSpec(top_k, max_nodes)` drafts an
-EAGLE-2-style tree of depth k instead and verifies it in one forward with a tree mask (the
-fused greedy tree op). `decoding.validate.evaluate_acceptance` (and
+(or `.generate_batch(prompts, ...)`: rows accept ragged counts) drafts a chain of up to k
+tokens (EAGLE3 draft with its own KV cache, Medusa heads, or prompt lookup; draft_policy.py
+decides how many), verifies it in one base forward, accepts with the fused chain ops and
+rolls both caches back; greedy, its output equals plain greedy generation; with
+`sampling=Sampling(...)` it samples losslessly. `tree=TreeSpec(top_k, max_nodes)` (batch 1)
+drafts an EAGLE-2-style tree of depth k instead and verifies it in one forward with a tree
+mask (the fused greedy tree op). `decoding.validate.evaluate_acceptance` (and
 `python -m megatron_specdec.decoding.validate`) measures acceptance length over a prompt set;
 it is not re-exported here, so running that module with -m does not import it twice.
 Named `decoding` because `megatron_specdec.speculative` holds the convert API.

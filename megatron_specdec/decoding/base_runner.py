@@ -24,21 +24,25 @@ class BaseOutput:
     """Last stage only: logits [b, s, V] (full vocabulary), aux [s, b, n_aux*h] (EAGLE3),
     hidden [s, b, h] (final normed state, Medusa)."""
 
-    logits: Tensor
+    logits: Optional[Tensor]
     aux: Optional[Tensor]
     hidden: Optional[Tensor]
 
-    def rows(self, index) -> "BaseOutput":
-        """The states of the positions `index` (a tensor or slice: the kept positions)."""
-        return BaseOutput(self.logits[:, index],
-                          None if self.aux is None else self.aux[index],
-                          None if self.hidden is None else self.hidden[index])
+    def take(self, index: Tensor) -> "BaseOutput":
+        """The draft inputs (aux, hidden) at positions index [b, n] (row b's own positions:
+        its kept tokens); the logits stay behind, no drafter reads them."""
+        def pick(states):
+            if states is None:
+                return None
+            return states.gather(0, index.T[..., None].expand(-1, -1, states.shape[-1]))
+
+        return BaseOutput(None, pick(self.aux), pick(self.hidden))
 
     @staticmethod
     def cat(outputs) -> "BaseOutput":
-        """The positions of several outputs, in order."""
+        """The draft inputs of several outputs' positions, in order."""
         first = outputs[0]
-        return BaseOutput(torch.cat([o.logits for o in outputs], dim=1),
+        return BaseOutput(None,
                           None if first.aux is None else torch.cat([o.aux for o in outputs]),
                           None if first.hidden is None else
                           torch.cat([o.hidden for o in outputs]))
@@ -67,16 +71,16 @@ class BaseRunner:
         return self.stage.last
 
     @property
-    def length(self) -> int:
-        return self.stage.length
+    def lengths(self) -> Tensor:
+        return self.stage.lengths
 
     def step(self, tokens: Tensor, positions=None, attention_mask=None,
-             last_only: bool = False) -> Optional[BaseOutput]:
-        """Append tokens [b, s] to the cache (positions and mask: see StageRunner.step); the
-        last stage gets a BaseOutput (with `last_only`, the logits of the last position only:
-        a prefill needs no others)."""
+             last_only: bool = False, counts=None) -> Optional[BaseOutput]:
+        """Append tokens [b, s] to the cache (positions, mask and counts: see
+        StageRunner.step); the last stage gets a BaseOutput (with `last_only`, the logits of
+        the last position only: a prefill needs no others)."""
         logits = self.stage.step(tokens, last_only=last_only, positions=positions,
-                                 attention_mask=attention_mask)
+                                 attention_mask=attention_mask, counts=counts)
         captured = self.stage.captured
         last_rank = self.stage.last_rank
         aux = []
@@ -94,7 +98,7 @@ class BaseRunner:
             return None
         return BaseOutput(logits, torch.cat(aux, dim=-1) if aux else None, captured.get("final"))
 
-    def rewind(self, n: int):
+    def rewind(self, n):
         self.stage.rewind(n)
 
     def compact(self, start: int, slots: Tensor):

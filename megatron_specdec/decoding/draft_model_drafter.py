@@ -11,10 +11,11 @@ same kernels, and the seeded sampler every model-parallel rank shares), so the T
 the last stage agree without a message. Its checkpoint, saved at any TP/PP, is read as
 global tensors.
 
-Its KV cache is a generation.StageRunner over its own DecodeCache. The cache holds the
-verified tokens but the newest; a round feeds what it has not seen, then one forward per
-further draft. Drafts that the target then accepts stay in the cache; the rest are
-rewound, so a fully rejected round costs the draft nothing to undo.
+Its KV cache is a generation.StageRunner over its own DecodeCache (a length per row). The
+cache holds each row's verified tokens but the newest; a round feeds what each row has not
+seen (a left-padded chunk), then one forward per further draft. Drafts that the target then
+accepts stay in the cache; the rest are rewound, so a fully rejected round costs the draft
+nothing to undo.
 """
 
 import json
@@ -116,64 +117,72 @@ class DraftModelDrafter:
         self.model = model
         self.vocab_size = vocab_size
         self.runner = None
-        self.unseen = None  # [1, u] verified tokens not in the cache yet (the newest last)
-        self.chain = None  # [1, f] drafts of the current round in the cache after the verified
+        self.unseen = None  # [b, u] verified tokens not in the cache yet, left-padded
+        self.unseen_counts = None  # [b] real ones per row (the newest last)
+        self.chain = None  # [b, f] drafts of the current round in the cache after the verified
 
-    def start(self, prompt: Tensor, pending: Tensor, out, max_length: int):
+    def start(self, prompt: Tensor, lengths: Tensor, pending: Tensor, out, max_length: int):
         """After the target's prefill: the draft reads the prompt; pending is its next token."""
         from megatron_specdec.generation import StageRunner
 
-        self.runner = StageRunner(self.model, 1, max_length, self.vocab_size)
-        self.runner.step(prompt, last_only=True)
-        self.unseen = pending
+        self.runner = StageRunner(self.model, prompt.shape[0], max_length, self.vocab_size)
+        self.runner.step(prompt, last_only=True, counts=lengths)
+        self.unseen, self.unseen_counts = pending, torch.ones_like(lengths)
         self.chain = pending[:, :0]
 
     def _chain(self, k: int, policy, pick):
-        """Up to k chained drafts (draft_policy.draft_chain; pick reads logits [1, V], take()
-        gives a token [1]). The fed drafts stay in the cache until `accept`."""
-        logits = self.runner.step(self.unseen, last_only=True)[:, -1]
+        """Up to k chained drafts (draft_policy.draft_chain; pick reads logits [b, V], take()
+        gives tokens [b]). The fed drafts stay in the cache until `accept`."""
+        logits = self.runner.step(self.unseen, last_only=True, counts=self.unseen_counts)[:, -1]
         self.unseen = self.unseen[:, :0]
+        self.unseen_counts = torch.zeros_like(self.unseen_counts)
 
-        def advance(token):
-            logits = self.runner.step(token[None], last_only=True)[:, -1]
-            self.chain = torch.cat([self.chain, token[None]], dim=1)
+        def advance(tokens):
+            logits = self.runner.step(tokens[:, None], last_only=True)[:, -1]
+            self.chain = torch.cat([self.chain, tokens[:, None]], dim=1)
             return logits
 
         return draft_chain(k, policy, logits, advance, pick)
 
-    def propose(self, k: int, policy=None) -> Tensor:
-        """Up to k greedy draft tokens [1, n] (n may be 0)."""
+    def propose(self, k: int, policy=None):
+        """Up to k greedy draft tokens [b, n] (n may be 0) and the count [b] each row keeps."""
         confident = policy is not None and policy.threshold is not None
 
         def pick(logits):
-            confidence = float(logits.softmax(-1).max()) if confident else 1.0
+            confidence = (logits.double().softmax(-1).max(-1).values if confident
+                          else logits.new_ones(logits.shape[0], dtype=torch.float64))
             return confidence, lambda: (logits.argmax(-1), None)
 
-        drafts, _ = self._chain(k, policy, pick)
-        return torch.stack(drafts, dim=1) if drafts else self.chain[:, :0]
+        drafts, _, counts = self._chain(k, policy, pick)
+        return (torch.stack(drafts, dim=1) if drafts else self.chain[:, :0]), counts
 
     def propose_sampled(self, k: int, policy, sampling, rng):
         """Up to k tokens sampled from the draft's distribution (the target's temperature,
-        top-k, top-p) and those distributions, ([1, n], [1, n, V] float64), for lossless
-        verification with draft probabilities."""
+        top-k, top-p), the counts kept, and those distributions, ([b, n], [b], [b, n, V]
+        float64), for lossless verification with draft probabilities."""
         from megatron_specdec.acceptance.reference import target_probs
 
         def pick(logits):
             q = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            return float(q.max()), lambda: (torch.multinomial(q, 1, generator=rng)[:, 0], q)
+            return q.max(-1).values, lambda: (torch.multinomial(q, 1, generator=rng)[:, 0], q)
 
-        drafts, probs = self._chain(k, policy, pick)
+        drafts, probs, counts = self._chain(k, policy, pick)
         if not drafts:
-            return self.chain[:, :0], None
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+            return self.chain[:, :0], counts, None
+        return torch.stack(drafts, dim=1), counts, torch.stack(probs, dim=1)
 
-    def accept(self, num_accepted: int, new_tokens: Tensor, out):
-        """The target kept new_tokens [1, num_accepted + 1] after the newest token the draft
-        knew: cached drafts that match them stay, the rest are rewound; the others are fed
-        next round."""
-        fed = self.chain.shape[1]
-        n = min(fed, new_tokens.shape[1])
-        kept = int((self.chain[0, :n] == new_tokens[0, :n]).long().cumprod(0).sum())
+    def accept(self, tokens: Tensor, counts: Tensor, out):
+        """The target kept tokens [b, s] (the last counts[b] of row b) after the newest token
+        the draft knew: cached drafts that match them stay (but the newest kept token, whose
+        logits the next round needs), the rest are rewound; the others are fed next round."""
+        fed, s = self.chain.shape[1], tokens.shape[1]
+        j = torch.arange(s, device=tokens.device)
+        # Row b's kept tokens, first at column 0 (rolled out of the left padding).
+        first = tokens.gather(1, (j + s - counts[:, None]) % s)
+        n = min(fed, s)
+        match = (self.chain[:, :n] == first[:, :n]) & (j[:n] < counts[:, None] - 1)
+        kept = match.long().cumprod(1).sum(1)
         self.runner.rewind(fed - kept)
-        self.unseen = torch.cat([self.unseen, new_tokens[:, kept:]], dim=1)
+        # Unseen: row b's kept tokens from kept[b] on, still left-padded.
+        self.unseen, self.unseen_counts = tokens, counts - kept
         self.chain = self.chain[:, :0]

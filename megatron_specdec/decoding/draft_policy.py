@@ -19,6 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+from torch import Tensor
+
 POLICIES = ("adaptive", "fixed")
 DEFAULT_THRESHOLD = 0.3
 
@@ -47,10 +50,12 @@ class DraftPolicy:
         """The cumulative log-prob a draft tree node needs (tree.grow_tree)."""
         return float("-inf") if not self.threshold else math.log(self.threshold)
 
-    def keeps(self, chain_prob: float) -> bool:
-        """Whether a draft token whose chain (it and the drafts before it) is accepted with
-        probability `chain_prob` is worth drafting and verifying."""
-        return self.threshold is None or chain_prob >= self.threshold
+    def keeps(self, chain_prob: Tensor) -> Tensor:
+        """Per row, whether a draft token whose chain (it and the drafts before it) is
+        accepted with probability `chain_prob` [b] is worth drafting and verifying."""
+        if self.threshold is None:
+            return torch.ones_like(chain_prob, dtype=torch.bool)
+        return chain_prob >= self.threshold
 
     @classmethod
     def named(cls, name: str, max_tokens: int, threshold: float = DEFAULT_THRESHOLD):
@@ -60,21 +65,25 @@ class DraftPolicy:
 
 
 def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
-    """The chain loop every drafter shares: up to k drafts from `logits` (the draft's output
-    after the newest real token). pick(logits) -> (confidence, take); once `policy` (None:
-    never) drops the product of the confidences the chain stops, otherwise take() -> (token,
-    extra) drafts the token (called only then: a sampler draws nothing for a dropped token);
-    advance(token) feeds a drafted token and returns the logits after it. Returns the tokens
-    and the extras."""
-    drafts, extras, chain = [], [], 1.0
+    """The chain loop every drafter shares, over a batch: up to k drafts per row from
+    `logits` (the draft's output after each row's newest real token). pick(logits) ->
+    (confidence [b], take); a row stops once `policy` (None: never) drops the product of
+    its confidences, the loop once every row has; otherwise take() -> (tokens [b], extra)
+    drafts a token for every row (called only then: a sampler draws nothing for a dropped
+    step); advance(tokens) feeds them and returns the logits after them. Returns the tokens
+    and extras of each step, and the drafts each row keeps [b] (a prefix of the steps)."""
+    drafts, extras, chain, counts = [], [], 1.0, 0
     for i in range(k):
         if i:
             logits = advance(drafts[-1])
         confidence, take = pick(logits)
-        chain *= confidence
-        if policy is not None and not policy.keeps(chain):
+        chain = chain * confidence  # non-increasing: a row that stops stays stopped
+        alive = (torch.ones_like(chain, dtype=torch.bool) if policy is None
+                 else policy.keeps(chain))
+        if not bool(alive.any()):
             break
         token, extra = take()
         drafts.append(token)
         extras.append(extra)
-    return drafts, extras
+        counts = counts + alive.long()
+    return drafts, extras, counts + torch.zeros_like(chain, dtype=torch.long)

@@ -6,7 +6,10 @@ per *real* position (base states known); a chain step j (position t+j) reads the
 step's output hidden state and the embedding of the token it just drafted, and attends to
 all real entries plus the chain so far, exactly the keys its training-time-test step sees.
 Chain entries are dropped after drafting; once the base has verified, the accepted positions
-are re-fed with their real aux states. Slot index = position, so one causal mask serves both.
+are re-fed with their real aux states. The cache is a layers.decode_attention.DecodeCache
+with a length per row (rows of a batch keep different counts; a ragged chunk is left-padded,
+its padding placed past the row's length); slot index = position, so one causal mask serves
+both.
 
 A tree (tree.py) is drafted the same way, one draft forward per depth over the expanded
 frontier: a node at depth d runs at position t+d on its parent's output hidden state and
@@ -41,97 +44,108 @@ class Eagle3Drafter:
         self.embedding = embedding
         self.rotary = model.rotary_pos_emb
         self.target_ids = self.module.target_ids()
-        self.kv = [[] for _ in self.module.layers]
-        self.length = 0  # real positions in the cache
+        self.cache = None  # DecodeCache of the draft layers
+        self.kv = []  # each draft layer's view of the cache
+        self.real = None  # [b] real positions per row (the rest: the current chain)
         self._rope: Optional[Tensor] = None
-        self._last = None  # (hidden [1, b, h], logits [1, b, Dp/TP]) of the newest position
+        self._last = None  # (hidden [1, b, h], logits [1, b, Dp/TP]) of each row's newest position
 
-    def _cached(self) -> int:
-        blocks = self.kv[0]
-        return sum(k.shape[0] for k, _ in blocks)
-
-    def _truncate(self, n: int):
-        for blocks in self.kv:
-            if blocks:
-                keys = torch.cat([k for k, _ in blocks])[:n]
-                values = torch.cat([v for _, v in blocks])[:n]
-                blocks[:] = [(keys, values)]
-
-    def _forward(self, hidden: Tensor, next_tokens: Tensor, positions: Tensor, mask: Tensor,
-                 last_only: bool = False):
-        """Append s cache entries: hidden [s, b, h], next_tokens [b, s], RoPE positions [s],
-        mask [1, 1, s, cached + s]. Returns (hidden out, logits) [s (or 1: last_only), b, ...]."""
+    def _forward(self, hidden: Tensor, next_tokens: Tensor, positions=None, mask=None,
+                 counts=None, last_only: bool = False):
+        """Append s cache entries per row: hidden [s, b, h], next_tokens [b, s]; by default
+        at RoPE position = slot, causal (`counts`: a left-padded chunk, DecodeCache.place);
+        a tree passes positions [s] and mask [1, 1, s, cached + s]. Returns (hidden out,
+        logits) [s (or 1: last_only), b, ...]."""
+        slots = self.cache.place(hidden.shape[0], hidden.device, counts)
+        positions = slots if positions is None else positions.expand_as(slots)
+        if mask is None:
+            mask = self.cache.causal_mask(slots)
         embeds = self.embedding(input_ids=next_tokens, position_ids=None)
-        return self.module.step(embeds, hidden, self._rope[positions], mask, self.kv, last_only)
+        out = self.module.step(embeds, hidden, self._rope[positions.T][:, :, 0], mask, self.kv,
+                               last_only)
+        self.cache.commit()
+        return out
 
-    def _step(self, hidden: Tensor, next_tokens: Tensor):
-        """Append positions [cached, cached + s): hidden [s, b, h], next_tokens [b, s]."""
-        s = hidden.shape[0]
-        start = self._cached()
-        q = torch.arange(start, start + s, device=hidden.device)
-        keys = torch.arange(start + s, device=hidden.device)[None, :]
-        mask = (keys > q[:, None])[None, None]
-        hidden, logits = self._forward(hidden, next_tokens, q, mask, last_only=True)
+    def _step(self, hidden: Tensor, next_tokens: Tensor, counts=None):
+        """Append hidden [s, b, h], next_tokens [b, s] after each row's cached entries and
+        keep the newest state of each row."""
+        hidden, logits = self._forward(hidden, next_tokens, counts=counts, last_only=True)
         self._last = (hidden[-1:], logits)
+
+    def _drop_chain(self):
+        self.cache.lengths.copy_(self.real)
 
     def _argmax(self, logits: Tensor) -> Tensor:
         """Target ids [b] of the draft's top token (logits [1, b, Dp/TP], vocab-parallel)."""
         draft_ids = vocab_parallel_argmax(logits[0], self.module.vocab_offset)
         return self.target_ids[draft_ids]
 
-    def extend(self, aux: Tensor, next_tokens: Tensor):
-        """Real positions: aux [s, b, n_aux*h] captured by the base, next_tokens [b, s]."""
-        self._step(self.module.project(aux), next_tokens)
-        self.length += aux.shape[0]
+    def _log_probs(self, logits: Tensor) -> Tensor:
+        """Log-probs [b, D] over the draft vocabulary of logits [1, b, Dp/TP]."""
+        return vocab_parallel_log_probs(logits.transpose(0, 1), self.module.draft_vocab_size)
 
-    def start(self, prompt: Tensor, pending: Tensor, out, max_length: int):
-        """After the base prefill: prompt [b, P], pending [b, 1] (the base's next token)."""
-        self.kv = [[] for _ in self.module.layers]
-        self.length = 0
+    def extend(self, aux: Tensor, next_tokens: Tensor, counts: Tensor):
+        """Real positions: aux [s, b, n_aux*h] captured by the base, next_tokens [b, s]; the
+        last counts[b] of row b are real."""
+        self._step(self.module.project(aux), next_tokens, counts)
+        self.real = self.cache.lengths.clone()
+
+    def start(self, prompt: Tensor, lengths: Tensor, pending: Tensor, out, max_length: int):
+        """After the base prefill: prompt [b, P] left-padded to rows of `lengths`, pending
+        [b, 1] (the base's next token)."""
+        from megatron_specdec.layers.decode_attention import DecodeCache
+
+        self.cache = DecodeCache(prompt.shape[0], max_length)
+        self.kv = [self.cache.blocks(i) for i in range(len(self.module.layers))]
         self._rope = self.rotary(max_length)
-        self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1))
+        self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1), lengths)
 
     def _chain(self, k: int, policy, pick):
-        """Up to k chained drafts after the newest real position (draft_policy.draft_chain;
-        take() gives target ids [b]). Returns the ids and the extras; leaves the drafter as
-        it found it (the chain's cache entries and states are dropped)."""
+        """Up to k chained drafts after each row's newest real position
+        (draft_policy.draft_chain; take() gives target ids [b]). Leaves the drafter as it
+        found it (the chain's cache entries and states are dropped)."""
         real = self._last
 
         def advance(ids):
             self._step(self._last[0], ids[:, None])
             return self._last[1]
 
-        drafts, extras = draft_chain(k, policy, real[1], advance, pick)
-        self._truncate(self.length)
+        drafts, extras, counts = draft_chain(k, policy, real[1], advance, pick)
+        self._drop_chain()
         self._last = real
-        return drafts, extras
+        return drafts, extras, counts
 
-    def propose(self, k: int, policy=None) -> Tensor:
-        """Up to k greedy chained draft tokens [b, n] (target ids; n may be 0)."""
-        size = self.module.draft_vocab_size
+    def _stack(self, drafts):
+        return (torch.stack(drafts, dim=1) if drafts
+                else self.target_ids.new_zeros(self._last[1].shape[1], 0))
+
+    def propose(self, k: int, policy=None):
+        """Up to k greedy chained draft tokens [b, n] (target ids; n may be 0) and the
+        count [b] each row keeps."""
         confident = policy is not None and policy.threshold is not None
 
         def pick(logits):
-            confidence = (float(vocab_parallel_log_probs(logits, size).max().exp())
-                          if confident else 1.0)  # the softmax only when the policy reads it
+            # The softmax only when the policy reads it.
+            confidence = (self._log_probs(logits).max(-1).values.double().exp() if confident
+                          else logits.new_ones(logits.shape[1], dtype=torch.float64))
             return confidence, lambda: (self._argmax(logits), None)
 
-        drafts, _ = self._chain(k, policy, pick)
-        if not drafts:
-            return self.target_ids.new_zeros(self._last[1].shape[1], 0)
-        return torch.stack(drafts, dim=1)
+        drafts, _, counts = self._chain(k, policy, pick)
+        return self._stack(drafts), counts
 
     def propose_sampled(self, k: int, policy, sampling, rng):
         """Up to k chained tokens sampled from the draft's own distribution (temperature,
-        top-k, top-p over the draft vocabulary) and those distributions over the target
-        vocabulary, ([b, n], [b, n, V] float64), for lossless verification with draft
-        probabilities. The chain stops as `propose`'s does (top probability as confidence)."""
+        top-k, top-p over the draft vocabulary), the counts kept, and those distributions
+        over the target vocabulary, ([b, n], [b], [b, n, V] float64), for lossless
+        verification with draft probabilities. The chain stops as `propose`'s does (top
+        probability as confidence)."""
         from megatron_specdec.acceptance.reference import target_probs
 
         vocab = self.module.t2d.numel()
 
         def pick(logits):
-            q = target_probs(vocab_parallel_gather(logits, self.module.draft_vocab_size),
+            q = target_probs(vocab_parallel_gather(logits.transpose(0, 1),
+                                                   self.module.draft_vocab_size),
                              sampling.temperature, sampling.top_k, sampling.top_p)
 
             def take():
@@ -139,12 +153,10 @@ class Eagle3Drafter:
                 full[:, self.target_ids] = q
                 return self.target_ids[torch.multinomial(q, 1, generator=rng)[:, 0]], full
 
-            return float(q.max()), take
+            return q.max(-1).values.double(), take
 
-        drafts, probs = self._chain(k, policy, pick)
-        if not drafts:
-            return self.target_ids.new_zeros(self._last[1].shape[1], 0), None
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+        drafts, probs, counts = self._chain(k, policy, pick)
+        return self._stack(drafts), counts, torch.stack(probs, dim=1) if probs else None
 
     def propose_tree(self, depth: int, spec: TreeSpec,
                      floor: float = float("-inf")) -> DraftTree:
@@ -153,6 +165,7 @@ class Eagle3Drafter:
         drafter as it found it, like `propose`."""
         real_hidden, real_logits = self._last
         size = self.module.draft_vocab_size
+        length = int(self.real[0])  # batch 1
         outputs = {}  # expanded candidate -> its output hidden state [1, b, h]
         expanded = []  # expanded candidates in cache order: slots length, length + 1, ...
 
@@ -162,19 +175,18 @@ class Eagle3Drafter:
             tokens = self.target_ids[candidates.tokens[frontier]][None]
             expanded.extend(frontier.tolist())
             seen = ancestors(candidates.parents)[frontier][:, expanded]
-            mask = torch.cat([seen.new_zeros(len(parents), self.length), ~seen], dim=1)
-            positions = torch.full((len(parents),), self.length - 1 + d, device=hidden.device)
+            mask = torch.cat([seen.new_zeros(len(parents), length), ~seen], dim=1)
+            positions = torch.full((len(parents),), length - 1 + d, device=hidden.device)
             out, logits = self._forward(hidden, tokens, positions, mask[None, None])
             outputs.update((c, out[i:i + 1]) for i, c in enumerate(frontier.tolist()))
             return vocab_parallel_log_probs(logits, size)
 
         tree = grow_tree(vocab_parallel_log_probs(real_logits, size)[0], expand, depth, spec,
                          floor)
-        self._truncate(self.length)
+        self._drop_chain()
         return DraftTree(self.target_ids[tree.tokens], tree.parents)
 
-    def accept(self, num_accepted: int, new_tokens: Tensor, out):
-        """The base verified pending and its drafts and kept pending plus `num_accepted`
-        drafts, whose states are rows 0..num_accepted of `out`; new_tokens
-        [b, num_accepted + 1] are the accepted drafts and the base's next token."""
-        self.extend(out.aux[: num_accepted + 1], new_tokens)
+    def accept(self, tokens: Tensor, counts: Tensor, out):
+        """The base kept tokens [b, s] (the last counts[b] of row b; each real token is the
+        one after its position), whose states are `out`'s."""
+        self.extend(out.aux, tokens, counts)

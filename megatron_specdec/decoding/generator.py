@@ -1,26 +1,35 @@
 """Speculative generation (greedy, or lossless sampling for chains) from a
-SpeculativeGPTModel at any TP/PP (batch 1).
+SpeculativeGPTModel at any TP/PP, for a batch of prompts.
 
 Every rank of the model-parallel group runs the same loop. Per round the last stage drafts
-up to k tokens (the DraftPolicy decides how many: draft_policy.py; none makes the round a
-plain decoding step), all stages run the base once over [pending, d_1..d_n], the last stage
-accepts with the fused greedy chain op on the base's argmax ids and broadcasts the verdict;
-every stage rewinds its base cache by the n - a rejected positions and the drafter re-reads
-the base states of the a + 1 kept ones. Drafters: EAGLE3, Medusa, or prompt lookup (n-gram).
-The emitted sequence is the base's own greedy continuation, so it matches
-generation.greedy_generate token for token (up to float ties between a k+1-token and a
-1-token forward). A separate GPT of the target's vocabulary can draft instead
-(`drafter_kind="draft-model"`, draft_model_drafter.py).
+up to k tokens per row (the DraftPolicy decides how many, row by row: draft_policy.py; none
+makes the round a plain decoding step for that row), all stages run the base once over
+[pending, d_1..d_n] (n: the most any row drafted), the last stage accepts with the fused
+chain op on the base's argmax ids, each row up to its own draft count, and broadcasts the
+verdict; every stage rewinds each row of its base cache by its own rejected positions, and
+the drafter re-reads the base states of each row's kept ones. Rows accept different counts,
+so every cache (the base's, the EAGLE3 draft's, a draft model's) keeps a length per row and
+places a row's tokens at its own slots and RoPE positions (layers.decode_attention.DecodeCache):
+each row's output is the one it gets alone. A row that has finished (end-of-turn id or
+max_new_tokens) drafts nothing and keeps nothing until the batch is done. Drafters: EAGLE3,
+Medusa, or prompt lookup (n-gram). The emitted sequence is the base's own greedy
+continuation, so it matches generation.greedy_generate token for token (up to float ties
+between a k+1-token and a 1-token forward). A separate GPT of the target's vocabulary can
+draft instead (`drafter_kind="draft-model"`, draft_model_drafter.py).
 
-With `tree=TreeSpec(top_k, max_nodes)` the last stage drafts a tree of depth k instead
-(tree.py), all stages verify [pending, nodes] in one base forward under the tree mask, the
-fused greedy tree op picks the deepest accepted path, and every stage moves that path's cache
-entries to the slots after pending (StageRunner.compact) rather than recomputing them: a
-copy of a + 1 entries per layer instead of another base forward. Output is again the base's
-greedy continuation.
+With `tree=TreeSpec(top_k, max_nodes)` (batch 1) the last stage drafts a tree of depth k
+instead (tree.py), all stages verify [pending, nodes] in one base forward under the tree
+mask, the fused greedy tree op picks the deepest accepted path, and every stage moves that
+path's cache entries to the slots after pending (StageRunner.compact) rather than
+recomputing them: a copy of a + 1 entries per layer instead of another base forward. Output
+is again the base's greedy continuation. Trees at batch > 1 are refused: the drafters grow
+one tree at a time.
 
-Batch 1: requests accept different counts, and megatron's static cache advances all rows by
-one offset (RoPE position = slot), so ragged acceptance would need per-row positions.
+Drafter interface (last stage): `start(prompt [b, P] left-padded, lengths [b], pending
+[b, 1], prefill states, max_length)`; `propose(k, policy)` -> drafts [b, n], counts [b]
+(`propose_sampled` adds their distributions); `accept(tokens [b, s], counts [b], states)`:
+the tokens each row kept since the drafter last read, left-padded (the last counts[b] of
+row b are real), with the base states at the same positions.
 """
 
 from dataclasses import dataclass, field
@@ -45,7 +54,8 @@ class GenerationResult:
     num_draft_tokens: int = 0  # chain length, or tree depth
     drafted: List[int] = field(default_factory=list)  # drafts per verify forward
     # Wall seconds in drafting (propose, and the drafter reading accepted states), in base
-    # forwards (prefill and verify), and in all (the rest is acceptance and bookkeeping).
+    # forwards (prefill and verify), and in all (the rest is acceptance and bookkeeping), of
+    # the whole batch (one dict shared by its rows).
     seconds: Dict[str, float] = field(
         default_factory=lambda: {"draft": 0.0, "base": 0.0, "total": 0.0})
 
@@ -134,140 +144,177 @@ class SpeculativeGenerator:
         self.drafter = drafter if drafter is not None else \
             build_drafter(model, drafter_kind, draft_model)
 
-    @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, eos_ids=(),
                  sampling: Sampling = None) -> GenerationResult:
-        """Continuation of one prompt (token ids), stopping at any id in `eos_ids` (not
-        included) or after `max_new_tokens`: greedy, or sampled losslessly with `sampling`
-        (chains: drafts sampled from the draft's distribution, or proposed one-hot, are
-        accepted by rejection sampling, so the output has plain sampling's distribution).
-        Every rank returns the result."""
-        from megatron_specdec.distributed import device
+        """One prompt's continuation: `generate_batch` of a batch of one."""
+        return self.generate_batch([prompt_ids], max_new_tokens, eos_ids, sampling)[0]
 
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt needs at least one token")
+    @torch.no_grad()
+    def generate_batch(self, prompts, max_new_tokens: int, eos_ids=(),
+                       sampling: Sampling = None) -> List[GenerationResult]:
+        """Continuations of `prompts` (lists of token ids), each row stopping at any id in
+        `eos_ids` (not included) or after `max_new_tokens`: greedy, or sampled losslessly
+        with `sampling` (chains: drafts sampled from the draft's distribution, or proposed
+        one-hot, are accepted by rejection sampling, so the output has plain sampling's
+        distribution; a seed reproduces the batch's output). Every rank returns the results."""
+        from megatron_specdec.distributed import device
+        from megatron_specdec.generation import left_pad
+
+        tokens, lengths = left_pad(prompts, 0, device())  # names an empty prompt
+        batch = tokens.shape[0]
         sampling = sampling if sampling is not None and not sampling.greedy else None
+        if self.tree is not None and batch > 1:
+            raise ValueError(f"batch size {batch}: tree drafting takes one prompt at a time "
+                             f"(batch size 1); draft chains for a batch")
         if sampling is not None and self.tree is not None:
             raise NotImplementedError("sampled tree drafting is not built; use a chain")
         self._sampling = sampling
         self._rng = None if sampling is None else sampling.generator(device())
         started = time.perf_counter()
         k, drafter = self.k, self.drafter
-        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device())
         eos = set(int(e) for e in eos_ids)
-        result = self._result = GenerationResult([], [], k)
+        self._seconds = {"draft": 0.0, "base": 0.0, "total": 0.0}
+        results = [GenerationResult([], [], k, seconds=self._seconds) for _ in range(batch)]
+        done = [max_new_tokens <= 0] * batch
         clock = self._clock
 
-        def emit(token: int) -> bool:
-            """Append token; True when generation is over."""
-            if token in eos:
-                return True
-            result.tokens.append(token)
-            return len(result.tokens) >= max_new_tokens
+        def emit(new, counts):
+            """Append each unfinished row's first counts[b] tokens of new [b, s] (host lists)
+            until its end-of-turn id or max_new_tokens."""
+            for row, (ids, n) in enumerate(zip(new, counts)):
+                for token in ids[:n if not done[row] else 0]:
+                    if token in eos:
+                        done[row] = True
+                        break
+                    results[row].tokens.append(token)
+                    if len(results[row].tokens) >= max_new_tokens:
+                        done[row] = True
+                        break
 
-        def done() -> GenerationResult:
-            result.seconds["total"] = time.perf_counter() - started
-            return result
+        def finish() -> List[GenerationResult]:
+            self._seconds["total"] = time.perf_counter() - started
+            return results
 
-        if max_new_tokens <= 0:
-            return done()
+        if all(done):
+            return finish()
         width = k if self.tree is None else self.tree.num_nodes(k)
-        max_length = prompt.shape[1] + max_new_tokens + width + 1
-        runner = BaseRunner(self.model, 1, max_length)
-        out = clock("base", partial(runner.step, last_only=True), prompt)
-        pending = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+        # A row holds at most prompt + max_new_tokens + k real tokens; a forward writes up to
+        # width + 1 (or a drafter's catch-up of up to k + 1 + max_backoff) slots past them.
+        max_length = (tokens.shape[1] + max_new_tokens + 2 * (width + 1)
+                      + self.policy.max_backoff)
+        runner = BaseRunner(self.model, batch, max_length)
+        out = clock("base", partial(runner.step, last_only=True, counts=lengths), tokens)
+        pending = torch.zeros(batch, 1, dtype=torch.long, device=tokens.device)
         if runner.last:
             last = out.logits[:, -1]
             pending[:, 0] = last.argmax(-1) if sampling is None else \
                 sampling.sample(last, self._rng)
-            clock("draft", drafter.start, prompt, pending, out, max_length)
+            clock("draft", drafter.start, tokens, lengths, pending, out, max_length)
         runner.broadcast_from_last(pending)
-        if emit(int(pending)):
-            return done()
+        emit(pending.tolist(), [1] * batch)
         verify = self._verify_chain if self.tree is None else self._verify_tree
         self._unread, self._skip, self._backoff = [], 0, 0
-        while True:
-            accepted, drafted, new, out = verify(runner, pending)
-            result.accepted.append(accepted)
-            result.drafted.append(drafted)
-            if any(emit(int(t)) for t in new[0]):
-                return done()
+        while not all(done):
+            live = [not d for d in done]
+            active = torch.tensor(live, device=tokens.device)
+            accepted, drafted, new, out = verify(runner, pending, active)
+            for row, (a, d) in enumerate(zip(accepted.tolist(), drafted.tolist())):
+                if live[row]:
+                    results[row].accepted.append(a)
+                    results[row].drafted.append(d)
+            # A finished row keeps nothing: its cache stops growing.
+            kept = (accepted + 1) * active
+            runner.rewind(new.shape[1] - kept)
+            emit(new.tolist(), kept.tolist())
             if runner.last:
-                self._unread.append((new, out))
-            pending = new[:, -1:]
+                self._unread.append((new, kept, out))
+            pending = new.gather(1, accepted[:, None])
+        return finish()
 
     def _draft(self, k: int):
-        """The last stage's drafts [1, n] for this round: none while sitting out a backoff
-        (draft_policy.py); otherwise the drafter first reads the base states it has not seen.
-        Sampled drafts leave their distributions in `_draft_probs` for `_accept`."""
+        """The last stage's drafts [b, n] and per-row counts [b] for this round: none while
+        sitting out a backoff (draft_policy.py); otherwise the drafter first reads the base
+        states it has not seen. Sampled drafts leave their distributions in `_draft_probs`
+        for `_accept`."""
         self._draft_probs = None
         if self._skip:
             self._skip -= 1
-            return torch.zeros(1, 0, dtype=torch.long, device=self._unread[0][0].device)
+            batch = self._unread[0][0].shape[0]
+            none = torch.zeros(batch, 0, dtype=torch.long, device=self._unread[0][0].device)
+            return none, none.new_zeros(batch)
         self._catch_up()
         s = self._sampling
         if s is not None and not s.one_hot_drafts and hasattr(self.drafter, "propose_sampled"):
-            drafts, self._draft_probs = self._clock(
+            drafts, counts, self._draft_probs = self._clock(
                 "draft", self.drafter.propose_sampled, k, self.policy, s, self._rng)
         else:
-            drafts = self._clock("draft", self.drafter.propose, k, self.policy)
+            drafts, counts = self._clock("draft", self.drafter.propose, k, self.policy)
         if not getattr(self.drafter, "free_to_probe", False):
             self._backoff = self._skip = self.policy.next_backoff(self._backoff,
                                                                   drafts.shape[1])
-        return drafts
+        return drafts, counts
 
     def _catch_up(self):
-        """The drafter reads the base states of the rounds it has not seen, in one call."""
+        """The drafter reads the kept tokens and base states of the rounds it has not seen,
+        in one call: per row, its kept positions of every round moved to the end (stable, so
+        in order), the rest in front as padding."""
         if self._unread:
-            tokens = torch.cat([t for t, _ in self._unread], dim=1)
-            states = BaseOutput.cat([o for _, o in self._unread])
-            self._clock("draft", self.drafter.accept, tokens.shape[1] - 1, tokens, states)
+            tokens = torch.cat([t for t, _, _ in self._unread], dim=1)
+            kept = torch.cat([torch.arange(t.shape[1], device=t.device) < c[:, None]
+                              for t, c, _ in self._unread], dim=1)
+            order = kept.long().argsort(dim=1, stable=True)
+            states = BaseOutput.cat([o for _, _, o in self._unread]).take(order)
+            # Rejected positions hold -1: padding needs a valid id.
+            self._clock("draft", self.drafter.accept, tokens.gather(1, order).clamp_min(0),
+                        kept.sum(1), states)
             self._unread = []
 
     def _clock(self, part: str, fn, *args):
-        """fn(*args), its wall time added to the current result's `seconds[part]`."""
+        """fn(*args), its wall time added to the current batch's `seconds[part]`."""
         start = time.perf_counter()
         value = fn(*args)
-        self._result.seconds[part] += time.perf_counter() - start
+        self._seconds[part] += time.perf_counter() - start
         return value
 
-    def _verify_chain(self, runner, pending):
-        """One round: draft up to k, verify, rewind the rejected. Returns (accepted count,
-        drafted count, emitted tokens [1, a + 1], base states of the a + 1 kept positions
-        (last stage))."""
-        k = self.k
-        proposal = torch.zeros(1, k + 1, dtype=torch.long, device=pending.device)
-        if runner.last:  # the drafts, then their count: one broadcast
-            drafts = self._draft(k)
+    def _verify_chain(self, runner, pending, active):
+        """One round: each active row drafts up to k, all verify in one forward. Returns
+        (accepted [b], drafted [b], the verdict [b, n + 1]: row b's emitted tokens first,
+        then -1, and the base states of the n + 1 positions (last stage)). The caller
+        rewinds."""
+        k, batch = self.k, pending.shape[0]
+        proposal = torch.zeros(batch, k + 1, dtype=torch.long, device=pending.device)
+        if runner.last:  # the drafts, then their counts: one broadcast
+            drafts, counts = self._draft(k)
             proposal[:, : drafts.shape[1]] = drafts
-            proposal[0, k] = drafts.shape[1]
+            proposal[:, k] = counts.to(active.device) * active
         runner.broadcast_from_last(proposal)
-        n = int(proposal[0, k])
+        counts = proposal[:, k]
+        n = int(counts.max())
         drafts = proposal[:, :n]
         out = self._clock("base", runner.step, torch.cat([pending, drafts], dim=1))
-        verdict = torch.zeros(1, k + 2, dtype=torch.long, device=pending.device)
+        verdict = torch.zeros(batch, n + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            tokens, counts = self._accept(drafts, out.logits)
-            verdict[:, : n + 1] = tokens
-            verdict[0, -1] = counts[0]
+            verdict[:, : n + 1], verdict[:, -1] = self._accept(drafts, counts, out.logits)
         runner.broadcast_from_last(verdict)
-        accepted = int(verdict[0, -1])
-        runner.rewind(n - accepted)
-        kept = out.rows(slice(0, accepted + 1)) if runner.last else None
-        return accepted, n, verdict[:, : accepted + 1], kept
+        return verdict[:, -1], counts, verdict[:, : n + 1], out
 
-    def _accept(self, drafts, logits):
-        """(emitted tokens [1, n + 1] padded with -1, accepted count [1]) of a chain."""
+    def _accept(self, drafts, counts, logits):
+        """(emitted tokens [b, n + 1] padded with -1, accepted counts [b]) of a chain of
+        counts[b] drafts per row."""
         if self._sampling is None:
-            return greedy_chain_verify(drafts, logits.argmax(-1))
+            return greedy_chain_verify(drafts, logits.argmax(-1), counts)
         s = self._sampling
-        return stochastic_chain_verify(drafts, logits, draft_probs=self._draft_probs,
+        probs = self._draft_probs
+        if probs is not None:
+            probs = probs[:, : drafts.shape[1]] if drafts.shape[1] else None
+        return stochastic_chain_verify(drafts, logits, counts, draft_probs=probs,
                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                        generator=self._rng)
 
-    def _verify_tree(self, runner, pending):
-        """The same round over a draft tree of up to n nodes (none: a plain step); the
-        accepted path's cache entries are compacted."""
+    def _verify_tree(self, runner, pending, active):
+        """The same round over a draft tree of up to n nodes (none: a plain step), batch 1;
+        the accepted path's cache entries are compacted after pending, so the verdict and
+        states cover pending and the path alone."""
         k, n = self.k, self.tree.num_nodes(self.k)
         tree = torch.zeros(2, n + 1, dtype=torch.long, device=pending.device)
         if runner.last:  # tokens and parents, then the node count: one broadcast
@@ -280,7 +327,7 @@ class SpeculativeGenerator:
         runner.broadcast_from_last(tree)
         m = int(tree[0, n])
         tokens, parents = tree[0:1, :m], tree[1:2, :m]
-        start = runner.length  # pending's slot
+        start = int(runner.lengths[0])  # pending's slot
         positions, mask = verify_layout(parents[0], start)
         out = self._clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
                           mask)
@@ -292,8 +339,9 @@ class SpeculativeGenerator:
             verdict[:, k + 1: k + 1 + depth] = path
             verdict[0, -2], verdict[0, -1] = depth, counts[0]
         runner.broadcast_from_last(verdict)
-        depth, accepted = int(verdict[0, -2]), int(verdict[0, -1])
-        path = verdict[0, k + 1: k + 1 + accepted]
+        depth, accepted = verdict[:, -2], verdict[:, -1]
+        path = verdict[0, k + 1: k + 1 + int(accepted)]
         runner.compact(start + 1, start + 1 + path)
         kept = torch.cat([path.new_zeros(1), path + 1])
-        return accepted, depth, verdict[:, : accepted + 1], out.rows(kept) if runner.last else None
+        states = out.take(kept[None]) if runner.last else None
+        return accepted, depth, verdict[:, : int(accepted) + 1], states

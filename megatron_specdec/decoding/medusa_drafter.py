@@ -10,6 +10,7 @@ counterpart of Medusa's static `medusa_choices` tree (top-i of head d along each
 import torch
 from torch import Tensor
 
+from megatron_specdec.decoding.draft_policy import draft_chain
 from megatron_specdec.decoding.tree import (
     DraftTree,
     TreeSpec,
@@ -27,26 +28,28 @@ class MedusaDrafter:
         self.vocab_size = model.vocab_size
         self._hidden = None  # [1, b, h]
 
-    def start(self, prompt: Tensor, pending: Tensor, out, max_length: int):
+    def start(self, prompt: Tensor, lengths: Tensor, pending: Tensor, out, max_length: int):
         self._hidden = out.hidden[-1:]
 
-    def propose(self, k: int, policy=None) -> Tensor:
-        """Up to k tokens [b, n], head i's top token at position i; a DraftPolicy with a
-        threshold keeps the heads while the product of their top probabilities stays above it."""
-        logits = self.heads(self._hidden)[:k]
-        if policy is not None and policy.threshold is not None:
-            chain, kept = 1.0, 0
-            for head in logits:
-                chain *= float(vocab_parallel_log_probs(head, self.vocab_size).max().exp())
-                if not policy.keeps(chain):
-                    break
-                kept += 1
-            logits = logits[:kept]
-        if not logits:
+    def propose(self, k: int, policy=None):
+        """Up to k tokens [b, n], head i's top token at position i, and the count [b] each
+        row keeps: a DraftPolicy with a threshold keeps a row's heads while the product of
+        their top probabilities stays above it (draft_policy.draft_chain)."""
+        heads = iter(self.heads(self._hidden)[:k])
+        confident = policy is not None and policy.threshold is not None
+
+        def pick(logits):
+            confidence = (vocab_parallel_log_probs(logits.transpose(0, 1), self.vocab_size)
+                          .max(-1).values.double().exp() if confident
+                          else logits.new_ones(logits.shape[1], dtype=torch.float64))
+            return confidence, lambda: (vocab_parallel_argmax(logits[0], self.heads.vocab_offset),
+                                        None)
+
+        drafts, _, counts = draft_chain(k, policy, next(heads), lambda _: next(heads), pick)
+        if not drafts:
             return torch.zeros(self._hidden.shape[1], 0, dtype=torch.long,
-                               device=self._hidden.device)
-        return torch.stack([vocab_parallel_argmax(l[0], self.heads.vocab_offset) for l in logits],
-                           dim=1)
+                               device=self._hidden.device), counts
+        return torch.stack(drafts, dim=1), counts
 
     def propose_tree(self, depth: int, spec: TreeSpec,
                      floor: float = float("-inf")) -> DraftTree:
@@ -56,5 +59,5 @@ class MedusaDrafter:
         return grow_tree(heads[0][0], lambda _, frontier, d: heads[d].expand(len(frontier), -1),
                          depth, spec, floor)
 
-    def accept(self, num_accepted: int, new_tokens: Tensor, out):
-        self._hidden = out.hidden[num_accepted: num_accepted + 1]
+    def accept(self, tokens: Tensor, counts: Tensor, out):
+        self._hidden = out.hidden[-1:]  # each row's newest kept state (left-padded chunk)

@@ -23,16 +23,17 @@ class NgramDrafter:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got "
                              f"min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.history = torch.zeros(0, dtype=torch.long)
-        self.rates = []  # running P(position j accepted | j - 1 accepted), j = 1, 2, ...
-        self.proposed = 0
+        self.history = []  # per row, its tokens so far (host)
+        self.rates = torch.zeros(0, 0)  # [b, j]: running P(position j + 1 accepted | j)
+        self.proposed = None  # [b] drafts each row proposed last
 
-    def start(self, prompt: Tensor, pending: Tensor, out, max_length: int):
-        self.history = torch.cat([prompt[0], pending[0]]).cpu()
-        self.proposed = 0
+    def start(self, prompt: Tensor, lengths: Tensor, pending: Tensor, out, max_length: int):
+        rows = torch.cat([prompt, pending], dim=1).cpu()
+        self.history = [row[row.numel() - n - 1:] for row, n in zip(rows, lengths.tolist())]
+        self.rates = torch.full((len(self.history), 0), PRIOR, dtype=torch.float64)
+        self.proposed = torch.zeros(len(self.history), dtype=torch.long)
 
-    def _lookup(self, k: int) -> Tensor:
-        history = self.history
+    def _lookup(self, history: Tensor, k: int) -> Tensor:
         for n in range(min(self.max_ngram, history.numel() - 1), self.min_ngram - 1, -1):
             windows = history[:-1].unfold(0, n, 1)  # every earlier n-gram (not the suffix)
             hits = (windows == history[-n:]).all(1).nonzero()
@@ -41,26 +42,33 @@ class NgramDrafter:
                 return history[start: start + k]
         return history[:0]
 
-    def propose(self, k: int, policy=None) -> Tensor:
-        """Up to k tokens [1, n] (n may be 0 when no n-gram recurs, or, under an adaptive
-        policy, when recent proposals were rejected)."""
-        found = self._lookup(k)
-        self.rates += [PRIOR] * (k - len(self.rates))
-        keep, chain = 0, 1.0
-        for j in range(found.numel()):
-            chain *= self.rates[j]
-            if policy is not None and not policy.keeps(chain):
-                break
-            keep += 1
-        self.proposed = keep
-        return found[:keep].to(self.history.device)[None]
+    def propose(self, k: int, policy=None):
+        """Up to k tokens per row [b, n] and the count [b] each row keeps (0 when no n-gram
+        recurs, or, under an adaptive policy, when recent proposals were rejected)."""
+        found = [self._lookup(history, k) for history in self.history]
+        batch = len(found)
+        self.rates = torch.cat([self.rates, torch.full((batch, k - self.rates.shape[1]), PRIOR,
+                                                       dtype=torch.float64)], dim=1)
+        drafts = torch.zeros(batch, k, dtype=torch.long)
+        for row, tokens in enumerate(found):
+            drafts[row, : tokens.numel()] = tokens
+        within = torch.arange(k) < torch.tensor([t.numel() for t in found])[:, None]
+        chain = self.rates[:, :k].cumprod(1)
+        keep = within & (True if policy is None else policy.keeps(chain))
+        self.proposed = keep.long().cumprod(1).sum(1)
+        n = int(self.proposed.max())
+        return drafts[:, :n], self.proposed.clone()
 
-    def accept(self, num_accepted: int, new_tokens: Tensor, out):
-        for j in range(len(self.rates)):
-            if j < min(num_accepted + 1, self.proposed):  # position j + 1 was tried
-                hit = float(j < num_accepted)
-            else:
-                hit = PRIOR
-            self.rates[j] = DECAY * self.rates[j] + (1 - DECAY) * hit
-        self.proposed = 0
-        self.history = torch.cat([self.history, new_tokens[0].cpu()])
+    def accept(self, tokens: Tensor, counts: Tensor, out):
+        """The kept tokens of one round (the last counts[b] of row b): the accepted drafts
+        and the base's next token."""
+        counts = counts.cpu()
+        accepted = counts - 1
+        for j in range(self.rates.shape[1]):  # position j + 1 tried, and accepted?
+            tried = j < torch.minimum(counts, self.proposed)
+            hit = torch.where(tried, (j < accepted).double(), PRIOR)
+            self.rates[:, j] = DECAY * self.rates[:, j] + (1 - DECAY) * hit
+        self.proposed = torch.zeros_like(self.proposed)
+        tokens = tokens.cpu()
+        self.history = [torch.cat([h, row[row.numel() - n:]])
+                        for h, row, n in zip(self.history, tokens, counts.tolist())]

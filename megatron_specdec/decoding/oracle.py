@@ -16,30 +16,34 @@ from megatron_specdec.decoding.tree import DraftTree, ancestors
 
 
 class OracleDrafter:
-    def __init__(self, inner, continuation, wrong_at=(), vocab_size: int = None):
-        """continuation: token ids the base will emit after the prompt; positions past its end
-        are proposed as token 0. wrong_at: emitted positions proposed as (token + 1) % vocab."""
-        self.inner, self.continuation = inner, list(continuation)
-        self.wrong_at, self.vocab_size = set(wrong_at), vocab_size
-        if self.wrong_at and vocab_size is None:
+    def __init__(self, inner, continuations, wrong_at=None, vocab_size: int = None):
+        """continuations: per row of the batch, the token ids the base will emit after its
+        prompt; positions past the end are proposed as token 0. wrong_at: per row, emitted
+        positions proposed as (token + 1) % vocab."""
+        self.inner, self.continuations = inner, [list(c) for c in continuations]
+        self.wrong_at = [set(w) for w in wrong_at or [()] * len(self.continuations)]
+        self.vocab_size = vocab_size
+        if any(self.wrong_at) and vocab_size is None:
             raise ValueError("wrong_at needs vocab_size")
-        self.emitted = 0
+        self.emitted = []  # per row
 
-    def start(self, prompt, pending, out, max_length):
-        self.inner.start(prompt, pending, out, max_length)
-        self.emitted = 1
+    def start(self, prompt, lengths, pending, out, max_length):
+        self.inner.start(prompt, lengths, pending, out, max_length)
+        self.emitted = [1] * prompt.shape[0]
 
-    def _answer(self, k):
-        """The next k emitted tokens as proposed (wrong at `wrong_at`)."""
-        ids = []
-        for pos in range(self.emitted, self.emitted + k):
-            token = self.continuation[pos] if pos < len(self.continuation) else 0
-            ids.append((token + 1) % self.vocab_size if pos in self.wrong_at else token)
+    def _answer(self, k, row):
+        """Row's next k tokens as proposed (wrong at its `wrong_at`)."""
+        ids, continuation, emitted = [], self.continuations[row], self.emitted[row]
+        for pos in range(emitted, emitted + k):
+            token = continuation[pos] if pos < len(continuation) else 0
+            ids.append((token + 1) % self.vocab_size if pos in self.wrong_at[row] else token)
         return ids
 
     def propose(self, k, policy=None):
-        own = self.inner.propose(k)
-        return torch.tensor([self._answer(k)], dtype=own.dtype, device=own.device)
+        own, _ = self.inner.propose(k)
+        drafts = torch.tensor([self._answer(k, row) for row in range(len(self.emitted))],
+                              dtype=own.dtype, device=own.device)
+        return drafts, torch.full((len(self.emitted),), k, device=own.device)
 
     def propose_tree(self, depth, spec, floor=float("-inf")):
         if self.vocab_size is None:
@@ -48,12 +52,13 @@ class OracleDrafter:
         seen = ancestors(own.parents)
         depths = seen.sum(1)
         deepest = int((depths == depths.max()).nonzero().max())
-        answer = torch.tensor(self._answer(int(depths.max())), device=own.tokens.device)
+        answer = torch.tensor(self._answer(int(depths.max()), 0),
+                              device=own.tokens.device)
         tokens = (answer[depths - 1] + 1) % self.vocab_size  # wrong everywhere ...
         path = seen[deepest]
         tokens[path] = answer[depths[path] - 1]  # ... but along the chosen path
         return DraftTree(tokens, own.parents)
 
-    def accept(self, num_accepted, new_tokens, out):
-        self.inner.accept(num_accepted, new_tokens, out)
-        self.emitted += num_accepted + 1
+    def accept(self, tokens, counts, out):
+        self.inner.accept(tokens, counts, out)
+        self.emitted = [e + c for e, c in zip(self.emitted, counts.tolist())]

@@ -4,10 +4,10 @@ megatron-core's static-batching path caches keys before RoPE and rotates the who
 again in every layer of every step (cost growing with the context), and after the prefill
 it switches the mask type to `no_mask`, which Transformer Engine obeys (a verified chain or
 tree would then see later drafts). Under a `DecodeCache` this attention instead rotates only
-the new keys, at explicit positions (per row, so ragged batches and tree nodes place tokens
-where they belong), writes them into the preallocated cache and attends over it with the
-mask the caller built, declared `arbitrary` so every backend applies it. Every other call
-(training, megatron's own inference contexts) runs megatron's SelfAttention unchanged.
+the new keys, at explicit per-row positions, writes them into each row's next slots of the
+preallocated cache and attends over it with the mask the caller built, declared `arbitrary`
+so every backend applies it. Every other call (training, megatron's own inference contexts)
+runs megatron's SelfAttention unchanged.
 """
 
 from typing import Optional
@@ -23,27 +23,98 @@ from torch import Tensor
 
 
 class DecodeCache(StaticInferenceContext):
-    """Preallocated keys (after RoPE) and values per layer, [max_length, b, groups, head_dim];
-    `sequence_len_offset` is the next slot to write. Before each forward the caller sets
-    `rotary` to the RoPE frequencies of the new tokens, [s, b|1, 1, rotary_dim]."""
+    """Preallocated keys (after RoPE) and values per layer, [max_length, b, groups, head_dim],
+    with a length per row: rows of a batch accept different numbers of drafts, so each row
+    appends at its own next slot and rolls back on its own.
+
+    A forward of s tokens per row is `place`d first: row b's tokens go to slots
+    lengths[b] .. lengths[b] + s - 1. With `counts` only the last counts[b] tokens of row b
+    are real (a left-padded chunk: a ragged prompt, or ragged accepted tokens): they take the
+    row's next counts[b] slots and the padding the slots after them, which stay beyond the
+    row's length (never attended to, overwritten later). So a row's real tokens always sit at
+    slots 0, 1, ..., whatever its padding, and RoPE position = slot by default."""
 
     def __init__(self, batch_size: int, max_length: int):
         super().__init__(batch_size, max_length)
-        self.rotary: Optional[Tensor] = None
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # host: real slots per row
+        self.rotary: Optional[Tensor] = None  # [s, b|1, 1, rotary dim] of the new tokens
+        self._slots: Optional[Tensor] = None  # [s, b] where the new tokens go
+        self._advance = None
+        self._end = 0
+
+    def place(self, s: int, device, counts: Optional[Tensor] = None) -> Tensor:
+        """Slots [b, s] of the next forward (class notes); `commit` then advances each row by
+        its real count."""
+        j = torch.arange(s)
+        if counts is None:
+            slots = self.lengths[:, None] + j
+            self._advance = s
+        else:
+            counts = counts.cpu()
+            slots = self.lengths[:, None] + (j + counts[:, None] - s) % s
+            self._advance = counts
+        self._end = int(self.lengths.max()) + s
+        if self._end > self.max_sequence_length:
+            raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take "
+                             f"{self._end}")
+        self._slots = slots.T.to(device)
+        return slots.to(device)
+
+    def causal_mask(self, slots: Tensor) -> Optional[Tensor]:
+        """[b, 1, s, end] True where a query at `slots` [b, s] may not attend (a later slot:
+        a later token, or a slot beyond its row's length); None when nothing is masked (one
+        token per row, all rows of one length)."""
+        s = slots.shape[1]
+        if s == 1 and bool((self.lengths == self.lengths[0]).all()):
+            return None
+        keys = torch.arange(self._end, device=slots.device)
+        return (keys[None, None, :] > slots[:, :, None])[:, None]
+
+    def commit(self):
+        """After the forward: every row's length grows by its real count."""
+        self.lengths += self._advance
+
+    def rewind(self, n):
+        """Drop the last n (int, or per row [b]) real slots of each row."""
+        self.lengths -= torch.as_tensor(n).cpu()
 
     def append(self, layer_number: int, key: Tensor, value: Tensor):
-        """Write key/value [s, b, g, d] at the next slots; (keys, values) of every slot so far."""
+        """Write key/value [s, b, g, d] at the placed slots; (keys, values) of every slot up to
+        the longest row's end."""
         if layer_number not in self.key_value_memory_dict:
+            # Zeros, not empty: a row attends to none of the slots beyond its length, but a
+            # masked NaN would still reach the output through its zero weight.
             shape = (self.max_sequence_length,) + tuple(key.shape[1:])
             self.key_value_memory_dict[layer_number] = (
-                key.new_empty(shape), value.new_empty(shape))
+                key.new_zeros(shape), value.new_zeros(shape))
         keys, values = self.key_value_memory_dict[layer_number]
-        start, end = self.sequence_len_offset, self.sequence_len_offset + key.shape[0]
-        if end > keys.shape[0]:
-            raise ValueError(f"KV cache of {keys.shape[0]} slots cannot take {end}")
-        keys[start:end] = key
-        values[start:end] = value
-        return keys[:end], values[:end]
+        rows = torch.arange(key.shape[1], device=key.device).expand_as(self._slots)
+        keys[self._slots, rows] = key
+        values[self._slots, rows] = value
+        return keys[: self._end], values[: self._end]
+
+    def compact(self, start: int, slots: Tensor):
+        """Batch 1: move the cached entries at `slots` (ascending, >= start) to start,
+        start + 1, ... and drop every later one (a verified draft tree's accepted path)."""
+        for key, value in self.key_value_memory_dict.values():
+            key[start: start + slots.numel()] = key[slots]
+            value[start: start + slots.numel()] = value[slots]
+        self.lengths[:] = start + slots.numel()
+
+    def blocks(self, layer_number: int):
+        """This layer's cache as the block list an EAGLE3 draft layer appends to
+        (layers/eagle3_layer.py): appending writes at the placed slots, and the list then
+        holds one block, every slot so far."""
+        return _CacheBlocks(self, layer_number)
+
+
+class _CacheBlocks(list):
+    def __init__(self, cache: DecodeCache, layer_number: int):
+        super().__init__()
+        self.cache, self.layer_number = cache, layer_number
+
+    def append(self, key_value):
+        self[:] = [self.cache.append(self.layer_number, *key_value)]
 
 
 class DecodeSelfAttention(SelfAttention):

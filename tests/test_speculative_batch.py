@@ -1,0 +1,131 @@
+"""Speculative generation over a batch with ragged acceptance (small seeded random Llama):
+4 prompts of different lengths, each row's output equal to its batch-1 plain greedy output
+token for token, for the EAGLE3, Medusa, n-gram and draft-model drafters, fixed and
+adaptive, at TP=1, TP=2 and PP=2; an oracle drafter wrong at different places in each row
+makes the rows accept different counts in the same round (exact counts per row), through
+the EAGLE3 and Medusa drafters. A row that meets its end-of-turn id stops growing while the
+others go on; a seed reproduces a sampled batch; a tree at batch > 1, an empty prompt and an
+empty batch are refused by name."""
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+from test_draft_model_generation import KEEP, save_draft
+from megatron_specdec.decoding.oracle import OracleDrafter
+from test_speculative_generation import HF, build, expected_accepts
+from workers import is_writer
+
+K, NEW = 4, 12
+WRONG_AT = [(5, 6), (1,), (), (2, 3, 9)]  # per row: emitted positions the oracle gets wrong
+THRESHOLD = 0.02  # around the random drafts' top probabilities: adaptive chains vary
+_g = torch.Generator().manual_seed(11)
+PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
+DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft-model"), "medusa": ("medusa",)}
+
+
+def policies(kind):
+    from megatron_specdec.decoding.draft_policy import DraftPolicy
+
+    # n-gram confidence is its running acceptance rate: the default threshold fits it.
+    return {"fixed": DraftPolicy(K, None),
+            "adaptive": DraftPolicy(K) if kind == "ngram" else DraftPolicy(K, THRESHOLD)}
+
+
+def batch_worker(tp, pp, draft_dir, out_file):
+    """Batch-1 plain greedy per prompt, and the batch through every drafter and policy."""
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    distributed.initialize(tp, pp)
+    save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
+    results = {}
+    for algo, kinds in DRAFTERS.items():
+        model = build(algo)
+        # K + 1 further tokens: the oracle's drafts in the last round are right too.
+        results[algo] = [greedy_generate(model.base, [p], NEW + K + 1, HF["vocab_size"])[0]
+                         for p in PROMPTS]
+        for kind in kinds:
+            generator = SpeculativeGenerator(
+                model, K, drafter_kind=kind,
+                draft_model=draft_dir if kind == "draft-model" else None)
+            for name, policy in policies(kind).items():
+                generator.policy = policy
+                results[f"{algo}/{kind}/{name}"] = generator.generate_batch(PROMPTS, NEW)
+        generator = SpeculativeGenerator(model, K, policy="fixed")
+        if generator.drafter is not None:  # the last stage
+            generator.drafter = OracleDrafter(generator.drafter, results[algo], WRONG_AT,
+                                              HF["vocab_size"])
+        results[f"{algo}/oracle"] = generator.generate_batch(PROMPTS, NEW)
+    if is_writer():
+        torch.save(results, out_file)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_batch_rows_equal_their_batch_1_greedy(tp, pp, tmp_path):
+    out = tmp_path / "out.pt"
+    distributed.spawn(batch_worker, tp * pp, tp, pp, str(tmp_path / "draft"), str(out))
+    results = torch.load(out, weights_only=False)
+    for algo, kinds in DRAFTERS.items():
+        for kind in kinds:
+            for name in ("fixed", "adaptive"):
+                rows = results[f"{algo}/{kind}/{name}"]
+                for row, greedy in zip(rows, results[algo]):
+                    assert row.tokens == greedy[:NEW], (algo, kind, name)
+            if kind != "ngram":
+                assert {d for r in results[f"{algo}/{kind}/fixed"] for d in r.drafted} == {K}
+                adaptive = results[f"{algo}/{kind}/adaptive"]
+                assert len({d for r in adaptive for d in r.drafted}) > 1, kind
+        for row, greedy, wrong in zip(results[f"{algo}/oracle"], results[algo], WRONG_AT):
+            assert row.tokens == greedy[:NEW], algo
+            assert row.accepted == expected_accepts(K, NEW, wrong), algo
+    draft_model = results["eagle3/draft-model/fixed"]  # a real draft: ragged acceptance too
+    assert len({tuple(r.accepted) for r in draft_model}) > 1
+
+
+@pytest.fixture(scope="module")
+def eagle3():
+    distributed.initialize(1, 1)
+    return build("eagle3")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
+def test_a_row_that_ends_stops_growing(eagle3, kind):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    greedy = [greedy_generate(eagle3.base, [p], NEW, HF["vocab_size"])[0] for p in PROMPTS]
+    eos = greedy[1][4]  # row 1 ends after 4 tokens (others may meet it too)
+    rows = SpeculativeGenerator(eagle3, K, drafter_kind=kind).generate_batch(
+        PROMPTS, NEW, eos_ids=[eos])
+    for row, full in zip(rows, greedy):
+        assert row.tokens == full[: full.index(eos) if eos in full else NEW]
+    assert rows[1].tokens == greedy[1][:4]
+    longest = max(rows, key=lambda r: len(r.tokens))
+    assert len(rows[1].accepted) < len(longest.accepted)  # no rounds counted after its end
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.sampling import Sampling
+
+    generator = SpeculativeGenerator(eagle3, K, policy="fixed")
+    runs = [[r.tokens for r in generator.generate_batch(
+        PROMPTS, NEW, sampling=Sampling(0.9, seed=seed, one_hot_drafts=one_hot))]
+        for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert [len(r) for r in runs[0]] == [NEW] * len(PROMPTS)
+
+
+def test_bad_batches_are_named(eagle3):
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.tree import TreeSpec
+
+    generator = SpeculativeGenerator(eagle3, K)
+    with pytest.raises(ValueError, match="prompt 2 of the batch is empty"):
+        generator.generate_batch([[1, 2], [3], []], 4)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        generator.generate_batch([], 4)
+    with pytest.raises(ValueError, match="batch size 4: tree drafting"):
+        SpeculativeGenerator(eagle3, K, tree=TreeSpec(2)).generate_batch(PROMPTS, 4)
