@@ -1,11 +1,20 @@
-"""Conversion time and peak memory: SmolLM2-135M-Instruct HF -> Megatron at TP=1 and TP=2,
-and back to HF. Each conversion runs as its own command-line process (TP=2 spawns 2 ranks);
-peak memory is the largest total RSS of the process tree, and of its largest process (a rank).
+"""Conversion time and peak memory. SmolLM2-135M-Instruct (float32): HF -> Megatron at TP=1
+and TP=2, and back to HF. llama1b: a random Llama-3.2-1B-shaped model (1.24B parameters:
+hidden 2048, 16 layers, 32/8 heads, ffn 8192, vocabulary 128256, tied; written here as
+bf16 safetensors in a temporary directory), HF -> Megatron in bf16 at TP=1 and TP=2. Each
+conversion runs as its own command-line process (TP=2 spawns 2 ranks); peak memory is the
+largest total RSS of the process tree, and of its largest process (a rank).
 
-    python bench/bench_conversion.py   # prints a table, writes bench/results/conversion.json
+    python bench/bench_conversion.py [--models smollm2 llama1b] [--code DIR --label NAME]
+
+`--code` runs the converters of another checkout (e.g. a `git worktree` of an earlier
+commit) for a before/after table. Rows are merged into bench/results/conversion.json by
+(model, label, direction, TP).
 """
 
+import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -17,34 +26,91 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_peak import measure  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0,
+                rms_norm_eps=1e-5)
+
+
+def write_random_llama(out: Path) -> Path:
+    """A random bf16 Llama of LLAMA_1B's shape, written one tensor at a time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_specdec.weights import files
+
+    config = LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()
+                  if k != "lm_head.weight"}
+    gen = torch.Generator().manual_seed(0)
+    specs = [(name, shape, torch.bfloat16) for name, shape in shapes.items()]
+    stream = ((name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+              for name, shape in shapes.items())
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    files.write_safetensors(out / files.HF_WEIGHTS, specs, stream, metadata={"format": "pt"})
+    return out
+
+
+def convert(code: Path, tmp: Path, model: str, hf_dir, tp: int, dtype: str, export: bool):
+    env = dict(os.environ, PYTHONPATH=str(code))  # ahead of the installed (editable) package
+    ckpt = tmp / f"{model}_tp{tp}"
+    runs = [("hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--hf_path", hf_dir,
+                                "--out", ckpt, "--tp", str(tp), "--dtype", dtype])]
+    if export:
+        runs.append(("megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--ckpt", ckpt,
+                                        "--out", tmp / f"{model}_hf{tp}"]))
+    rows = []
+    for direction, cmd in runs:
+        seconds, tree, one = measure([sys.executable, code / cmd[0], *cmd[1:]], env=env)
+        rows.append({"model": model, "direction": direction, "tp": tp, "dtype": dtype,
+                     "seconds": seconds, "peak_rss_mib": tree, "peak_rss_per_process_mib": one,
+                     "load_avg": os.getloadavg()[0]})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def main():
     from megatron_specdec.default_model import default_model_dir
 
-    hf_dir = default_model_dir()
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", default=["smollm2", "llama1b"])
+    p.add_argument("--code", type=Path, default=REPO, help="checkout whose converters run")
+    p.add_argument("--label", default="now")
+    args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for tp in (1, 2):
-            ckpt = Path(tmp) / f"tp{tp}"
-            for direction, cmd in (
-                    ("hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--hf_path", hf_dir,
-                                        "--out", ckpt, "--tp", str(tp)]),
-                    ("megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--ckpt", ckpt,
-                                        "--out", Path(tmp) / f"hf{tp}"])):
-                seconds, tree, one = measure([sys.executable, REPO / cmd[0], *cmd[1:]])
-                rows.append({"direction": direction, "tp": tp, "seconds": seconds,
-                             "peak_rss_mib": tree, "peak_rss_per_process_mib": one})
-    print(f"{'direction':<16}{'TP':>4}{'seconds':>10}{'peak RSS MiB':>14}{'per process':>13}")
+        tmp = Path(tmp)
+        for model in args.models:
+            if model == "smollm2":
+                hf_dir, dtype, export = default_model_dir(), "float32", True
+            else:
+                hf_dir, dtype, export = write_random_llama(tmp / "llama1b"), "bfloat16", False
+            for tp in (1, 2):
+                rows += convert(args.code.resolve(), tmp, model, hf_dir, tp, dtype, export)
+                for old in tmp.glob(f"{model}_*"):  # free the disk before the next run
+                    import shutil
+
+                    shutil.rmtree(old)
     for r in rows:
-        print(f"{r['direction']:<16}{r['tp']:>4}{r['seconds']:>10.1f}{r['peak_rss_mib']:>14.0f}"
-              f"{r['peak_rss_per_process_mib']:>13.0f}")
-    result = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "cpus": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "note": "wall time includes process start-up and imports (~8 s per process)",
-              "rows": rows}
+        r["label"] = args.label
+    print(f"{'model':<9}{'direction':<16}{'TP':>4}{'seconds':>10}{'peak RSS MiB':>14}{'per process':>13}")
+    for r in rows:
+        print(f"{r['model']:<9}{r['direction']:<16}{r['tp']:>4}{r['seconds']:>10.1f}"
+              f"{r['peak_rss_mib']:>14.0f}{r['peak_rss_per_process_mib']:>13.0f}")
     out = REPO / "bench" / "results" / "conversion.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    key = lambda r: (r.get("model", "smollm2"), r.get("label", "now"), r["direction"], r["tp"])  # noqa: E731
+    new = {key(r) for r in rows}
+    for r in result.get("rows", []):  # rows of the format before `model` and `label`
+        r.setdefault("model", "smollm2"), r.setdefault("dtype", result.get("dtype", "float32"))
+        r.setdefault("label", "whole-tensor reads (earlier run)")
+    result["rows"] = [r for r in result.get("rows", []) if key(r) not in new] + rows
+    result.update({"cpus": torch.get_num_threads(), "torch": torch.__version__,
+                   "machine": platform.processor() or platform.machine(),
+                   "note": "wall time includes process start-up and imports (~8 s per process); "
+                           "the 2-core machine is shared (load_avg per row)"})
+    result.pop("model", None), result.pop("dtype", None)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
