@@ -11,9 +11,10 @@ hits all of them alike:
   adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting;
   with --draft-model, a separate GPT of the same vocabulary drafting (fixed k and adaptive).
 
-- vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy and n-gram (k=3), in its
-  own process on the same prompts (engines/vllm_client.py; it ignores end-of-sequence, so its
-  output is compared with the project's greedy up to the project's stop).
+- vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy, n-gram (k=3) and, with
+  --vllm-eagle3 DIR, EAGLE3 with that HF draft (e.g. models/eagle3_smollm2; k =
+  --num-draft-tokens, else 3), in its own process on the same prompts and stopping at the
+  same end-of-turn ids (engines/vllm_client.py).
 
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
@@ -27,6 +28,7 @@ bench/results/generation.json (plot beside it).
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
         [--temperature 0.7] [--drafter draft-model --draft-model DRAFT_CKPT]
+        [--vllm-eagle3 models/eagle3_smollm2]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
 `convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
@@ -148,6 +150,12 @@ def main():
     p.add_argument("--tree-max-nodes", type=int, default=None)
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
+    p.add_argument("--vllm-base", default=None,
+                   help="HF directory vLLM serves (default: the one --model's base was converted "
+                        "from, as its checkpoint records; without --model the embedded SmolLM2)")
+    p.add_argument("--vllm-eagle3", default=None,
+                   help="HF EAGLE3 draft directory for a vLLM EAGLE3 row (the draft of --model "
+                        "as exported, e.g. models/eagle3_smollm2)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling comparison at this temperature (0: skip it)")
     p.add_argument("--out", default=str(RESULTS))
@@ -162,10 +170,14 @@ def main():
     )
 
     tree = tree_spec(args)
+    if args.vllm_eagle3 and not (Path(args.vllm_eagle3) / "config.json").is_file():
+        raise SystemExit(f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there (expected an "
+                         f"HF EAGLE3 draft directory, as export_draft writes)")
     distributed.initialize(1, 1)
     model, tokenizer_dir, what = build(args)
     model.eval()
     check_draft_model_args(args, model.vocab_size, tokenizer_dir)
+    served_base = None if args.no_vllm else vllm_base(args, tokenizer_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir))
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
@@ -213,7 +225,7 @@ def main():
                             for d in r.drafted])["acceptance_length"]
                            for c in sorted({c for c, _ in prompts})})
         report[name] = row
-    engine = vllm_rows(tokenizer_dir, prompts, eos, base["outputs"], hf_rate, own_rate, args)
+    engine = vllm_rows(served_base, prompts, eos, base["outputs"], hf_rate, own_rate, args)
     report.update(engine)
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args)
@@ -261,16 +273,34 @@ def main():
     print(f"wrote {out}")
 
 
+def vllm_base(args, model_dir):
+    """The HF directory of the base for vLLM (config, weights, tokenizer): --vllm-base, else
+    the directory a --model checkpoint's base was converted from, else `model_dir`."""
+    if args.vllm_base or not args.model:
+        return Path(args.vllm_base or model_dir)
+    from megatron_specdec import checkpoint
+
+    source = Path(checkpoint.read_meta(args.model)["hf_config"].get("_name_or_path") or "")
+    if not (source / "config.json").is_file():
+        raise SystemExit(f"--model {args.model} records no HF directory of its base that exists "
+                         f"({source}); pass --vllm-base (megatron_to_hf.py writes one)")
+    return source
+
+
 def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
-    """vLLM greedy and n-gram rows, or none (with the reason printed) without its env."""
+    """vLLM greedy, n-gram and (--vllm-eagle3) EAGLE3 rows, or none (with the reason printed)
+    without its env."""
     from megatron_specdec.engines import vllm_client
 
     if args.no_vllm:
         return {}
     runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
+    if args.vllm_eagle3:
+        k = args.num_draft_tokens or 3
+        runs[f"vllm eagle3 k={k}"] = vllm_client.eagle3_config(args.vllm_eagle3, k)
     try:
         results = vllm_client.generate(model_dir, [ids for _, ids in prompts],
-                                       args.max_new_tokens, runs)
+                                       args.max_new_tokens, runs, stop_token_ids=eos)
     except (vllm_client.EngineUnavailableError, vllm_client.EngineRunError) as e:
         print(f"vLLM rows skipped: {e}")
         return {}
@@ -279,10 +309,7 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
         if r.error:
             print(f"{name}: {r.error}")
             continue
-        same = 0
-        for out, ours in zip(r.outputs, greedy_outputs):
-            cut = next((i for i, t in enumerate(out) if t in eos), len(out))
-            same += out[:cut] == ours
+        same = sum(out == ours for out, ours in zip(r.outputs, greedy_outputs))
         rows[name] = {"tokens_per_s": r.tokens_per_s, "vs_transformers_greedy":
                       r.tokens_per_s / hf_rate, "vs_project_greedy": r.tokens_per_s / own_rate,
                       "identical_to_project_greedy": same,
