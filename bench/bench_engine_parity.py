@@ -1,0 +1,183 @@
+"""Acceptance parity: the same EAGLE3 draft served by vLLM and run by the project's decoder.
+
+The project side is what `python -m megatron_specdec.decoding.validate --draft-policy fixed
+--num-draft-tokens K` runs (SpeculativeGenerator, chain of K drafted every round, pooled
+acceptance length), on a speculative checkpoint holding the draft; the vLLM side serves the
+HF export of the same draft (`--draft`) on the same fp32 base (the embedded SmolLM2 HF
+directory) through engines/vllm_client.py, in its own process, one engine per run. Both get
+the same token ids (first turn of each question through the chat template), generate up to
+--max-new-tokens greedily at batch 1 and stop at the tokenizer's end-of-turn ids.
+
+Acceptance length is counted alike: tokens per verify forward, the bonus token included,
+pooled over the forwards of all prompts. vLLM: 1 + accepted / drafts from its spec-decode
+counters, where `drafts` counts the verify steps that carried drafts; the project: (accepted +
+forwards) / forwards. On both sides the prefill drafts nothing and is not counted, and the
+last round counts all the drafts it accepted, also those past the stop. The two sides run at
+the same time (vLLM in its own process), so their tokens/s are not a speed comparison.
+
+    python bench/bench_engine_parity.py [--model runs/shipped_spec] [--draft models/eagle3_smollm2]
+        [--data bench/mt_bench_3per_category.jsonl] [--num-prompts 24] [--every 1]
+        [--max-new-tokens 64] [--ks 1 3 7]
+
+--model must hold the draft of --draft imported onto the base (models/eagle3_smollm2/README.md:
+`checkpoint_tools/import_draft.py`). Table on stdout, JSON in bench/results/engine_parity.json.
+"""
+
+import argparse
+import json
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "engine_parity.json"
+TOLERANCE = 0.05  # the issue's target: vLLM's acceptance length within 5% of the project's
+
+
+def unconditional_per_position(accepted, k):
+    """Rounds that accepted at least j drafts, j = 1..k (vLLM's per-position counter)."""
+    return [sum(a >= j for a in accepted) for j in range(1, k + 1)]
+
+
+def project_side(model_dir, prompts, ks, max_new_tokens, eos):
+    """Per k: the project's outputs, accepted drafts per round, seconds. (That its speculative
+    output is its greedy output is tests/test_shipped_draft.py's; here it is compared with
+    vLLM's greedy and speculative outputs.)"""
+    from megatron_specdec import distributed
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.speculative import load_speculative
+
+    distributed.initialize(1, 1)
+    model, _, _ = load_speculative(model_dir)
+    model.eval()
+    out = {}
+    for k in ks:
+        generator = SpeculativeGenerator(model, k, policy="fixed")
+        outputs, accepted, drafted, start = [], [], [], time.perf_counter()
+        for ids in prompts:
+            result = generator.generate(ids, max_new_tokens, eos)
+            outputs.append(result.tokens)
+            accepted += result.accepted
+            drafted += result.drafted
+        if any(d != k for d in drafted):
+            raise RuntimeError(f"the fixed policy drafted fewer than {k} tokens in a round")
+        print(f"project k={k}: {len(accepted)} rounds, {sum(accepted)} accepted", flush=True)
+        out[k] = {"outputs": outputs, "seconds": time.perf_counter() - start,
+                  "rounds": len(accepted), "accepted": sum(accepted),
+                  "acceptance_length": (sum(accepted) + len(accepted)) / len(accepted),
+                  "accepted_per_position": unconditional_per_position(accepted, k)}
+    return out
+
+
+def vllm_side(base_dir, draft_dir, prompts, ks, max_new_tokens, eos):
+    from megatron_specdec.engines import vllm_client
+
+    runs = {"greedy": None, **{f"eagle3 k={k}": vllm_client.eagle3_config(draft_dir, k)
+                               for k in ks}}
+    results = vllm_client.generate(base_dir, prompts, max_new_tokens, runs,
+                                   stop_token_ids=eos)
+    for name, r in results.items():
+        if r.error:
+            raise RuntimeError(f"vLLM run {name!r} failed: {r.error} ({r.where})")
+    return results
+
+
+def compare(project, engine, ks, n):
+    rows, greedy = [], engine["greedy"].outputs
+    for k in ks:
+        p, v = project[k], engine[f"eagle3 k={k}"]
+        rows.append({
+            "k": k,
+            "project_acceptance_length": p["acceptance_length"],
+            "vllm_acceptance_length": v.acceptance_length,
+            "relative_gap": v.acceptance_length / p["acceptance_length"] - 1,
+            "project_rounds": p["rounds"], "vllm_rounds": v.drafts,
+            "project_accepted": p["accepted"], "vllm_accepted": v.accepted,
+            "project_accepted_per_position": p["accepted_per_position"],
+            "vllm_accepted_per_position": v.accepted_per_position,
+            "outputs_identical": sum(a == b == c for a, b, c in
+                                     zip(p["outputs"], v.outputs, greedy)),
+            "project_tokens_per_s": sum(map(len, p["outputs"])) / p["seconds"],
+            "vllm_tokens_per_s": v.tokens_per_s,
+        })
+    return {"num_prompts": n, "rows": rows}
+
+
+def print_table(report):
+    n = report["num_prompts"]
+    print(f"\n{n} prompts, up to {report['max_new_tokens']} new tokens; outputs identical: "
+          f"project speculative == vLLM speculative == vLLM greedy")
+    print("| k | project AL | vLLM AL | gap | rounds (project / vLLM) | accepted (project / vLLM) "
+          "| outputs identical |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        print(f"| {r['k']} | {r['project_acceptance_length']:.3f} | "
+              f"{r['vllm_acceptance_length']:.3f} | {100 * r['relative_gap']:+.1f}% | "
+              f"{r['project_rounds']} / {r['vllm_rounds']} | "
+              f"{r['project_accepted']} / {r['vllm_accepted']} | {r['outputs_identical']}/{n} |")
+
+
+def main(argv=None):
+    from megatron_specdec import checkpoint
+    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
+    from megatron_specdec.decoding.validate import read_prompts
+    from megatron_specdec.default_model import default_model_dir
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="runs/shipped_spec",
+                   help="speculative checkpoint holding the draft (import_draft of --draft)")
+    p.add_argument("--draft", default="models/eagle3_smollm2", help="HF EAGLE3 draft for vLLM")
+    p.add_argument("--data", default="bench/mt_bench_3per_category.jsonl")
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--every", type=int, default=1,
+                   help="every Nth question (3: one per category of the default --data)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    for flag, path in (("--model", args.model), ("--draft", args.draft), ("--data", args.data)):
+        if not Path(path).exists():
+            raise SystemExit(f"{flag} {path} does not exist")
+    meta = checkpoint.read_meta(args.model)
+    if meta.get("dtype") != "float32":
+        raise SystemExit(f"--model {args.model} is {meta.get('dtype')}; parity needs the fp32 "
+                         f"base vLLM serves")
+    tokenizer = load_tokenizer(str(Path(args.model) / checkpoint.TOKENIZER_DIR))
+    questions = read_prompts(args.data, tokenizer)[::args.every][:args.num_prompts]
+    prompts = [ids for _, ids in questions]
+    eos = sorted(end_of_turn_ids(tokenizer))
+    base_dir = default_model_dir()
+
+    torch.set_grad_enabled(False)
+    with ThreadPoolExecutor(1) as pool:  # vLLM's process runs while the project side does
+        engine = pool.submit(vllm_side, base_dir, args.draft, prompts, args.ks,
+                             args.max_new_tokens, eos)
+        project = project_side(args.model, prompts, args.ks, args.max_new_tokens, eos)
+        engine = engine.result()
+    report = {
+        "command": "python bench/bench_engine_parity.py " + " ".join(argv or []),
+        "model": args.model, "draft": args.draft, "vllm_base": str(base_dir),
+        "data": f"{args.data} (first turn, chat template, every {args.every})",
+        "categories": [c for c, _ in questions], "max_new_tokens": args.max_new_tokens,
+        "stop_token_ids": eos, "dtype": "float32 (base and draft on both sides)",
+        "host": platform.node(), "tolerance": TOLERANCE,
+        **compare(project, engine, args.ks, len(prompts)),
+        "vllm_greedy_tokens_per_s": engine["greedy"].tokens_per_s,
+    }
+    report["within_tolerance"] = all(abs(r["relative_gap"]) <= TOLERANCE
+                                     for r in report["rows"])
+    print_table(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
