@@ -6,14 +6,16 @@
         [--tree-top-k 4 [--tree-max-nodes 32]]
         [--drafter eagle3|medusa|ngram|draft-model [--draft-model DRAFT_CKPT]]
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
+        [--batch-size 4]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
 evaluation would need the model's own earlier answers in the context). `category` groups the
-report. Greedy speculative generation runs per prompt (batch 1); plain greedy generation of
-the same base on the same prompts gives the tokens/s baseline of the same runtime and checks
-that both produce the same tokens. Writes acceptance.json and acceptance.png (acceptance
-rate per draft position, overall and per category). With --tree-top-k the drafts form a
+report. Speculative generation runs --batch-size prompts at a time (default 1; rows accept
+ragged counts); plain generation of the same base on the same batches gives the tokens/s
+baseline of the same runtime and checks that both produce the same tokens. Writes
+acceptance.json and acceptance.png (acceptance rate per draft position, overall and per
+category). With --tree-top-k the drafts form a
 tree of depth --num-draft-tokens (decoding/tree.py); acceptance length is counted the same way
 (tokens per verify forward), and "draft position" is the depth along the accepted path. With
 --tp/--pp > 1 and no torchrun environment, the ranks are spawned locally.
@@ -84,13 +86,14 @@ def _resolve(model_or_ckpt, tokenizer):
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
-                        policy="adaptive", sampling=None, draft_model=None):
+                        policy="adaptive", sampling=None, draft_model=None, batch_size=1):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
     `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram or
     draft-model (default: the model's own draft module; `draft_model`: the draft GPT
     checkpoint of draft-model); `policy`: adaptive or fixed draft length;
-    `sampling`: a decoding.sampling.Sampling (prompt i uses seed + i; the baseline is then
-    plain sampling, and outputs are not compared).
+    `sampling`: a decoding.sampling.Sampling (the batch from prompt i on uses seed + i; the
+    baseline is then plain sampling, and outputs are not compared); `batch_size`: prompts
+    per batch.
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -104,6 +107,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     from megatron_specdec.distributed import is_rank0
     from megatron_specdec.generation import greedy_generate
 
+    check_batch_size(batch_size, tree is not None)
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
@@ -112,25 +116,27 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     sampled = sampling is not None and not sampling.greedy
     seed = (sampling.seed or 0) if sampled else 0
     records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
-    for i, (category, ids) in enumerate(tqdm(prompts, desc="acceptance",
-                                             disable=not (progress and is_rank0()))):
-        settings = replace(sampling, seed=seed + i) if sampled else None
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for i, batch in enumerate(tqdm(batches, desc="acceptance",
+                                   disable=not (progress and is_rank0()))):
+        ids = [p for _, p in batch]
+        settings = replace(sampling, seed=seed + i * batch_size) if sampled else None
         start = time.perf_counter()
-        result = generator.generate(ids, max_new_tokens, eos, sampling=settings)
+        results = generator.generate_batch(ids, max_new_tokens, eos, sampling=settings)
         spec_time += time.perf_counter() - start
-        record = {"category": category, "accepted": result.accepted,
-                  "drafted": result.drafted, "new_tokens": len(result.tokens)}
         if compare_greedy:
             knobs = {} if not sampled else dict(
                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                 generator=torch.Generator().manual_seed(settings.seed))
             start = time.perf_counter()
-            plain = greedy_generate(model.base, [ids], max_new_tokens, model.vocab_size, eos,
-                                    **knobs)[0]
+            plain = greedy_generate(model.base, ids, max_new_tokens, model.vocab_size, eos,
+                                    **knobs)
             greedy_time += time.perf_counter() - start
-            plain_tokens += len(plain)
-            identical += plain == result.tokens
-        records.append(record)
+            plain_tokens += sum(len(p) for p in plain)
+            identical += sum(p == r.tokens for p, r in zip(plain, results))
+        records += [{"category": category, "accepted": result.accepted,
+                     "drafted": result.drafted, "new_tokens": len(result.tokens)}
+                    for (category, _), result in zip(batch, results)]
     tokens = sum(r["new_tokens"] for r in records)
     report = {
         "algo": drafter or model.algo,
@@ -140,6 +146,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
         "tree": None if tree is None else {"top_k": tree.top_k, "max_nodes": tree.max_nodes,
                                            "nodes": tree.num_nodes(generator.k)},
         "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
         "num_prompts": len(records),
         "prompts": f"{prompts_path} (first turn of each question, chat template)",
         **summarise_by_category(records, generator.k),
@@ -212,6 +219,8 @@ def parse_args(argv=None):
     p.add_argument("--tree-max-nodes", type=int, default=None,
                    help="keep this many tree nodes of highest draft probability (default: all)")
     add_drafting_args(p)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts generated together (rows accept ragged counts; chains only)")
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -256,6 +265,16 @@ def check_draft_model_args(args, vocab_size: int, tokenizer_dir):
         check_draft_checkpoint(args.draft_model, vocab_size, tokenizer_dir)
 
 
+def check_batch_size(batch_size, tree: bool):
+    """--batch-size is an integer >= 1, and 1 with a tree (the CLI checks it before any rank
+    starts)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
+    if batch_size > 1 and tree:
+        raise ValueError(f"--batch-size {batch_size} with a tree (--tree-top-k): tree "
+                         f"drafting takes one prompt at a time")
+
+
 def tree_spec(args):
     """The TreeSpec of --tree-top-k / --tree-max-nodes (None: chain drafting)."""
     from megatron_specdec.decoding.tree import TreeSpec
@@ -277,7 +296,8 @@ def _worker(args):
                                  num_prompts=args.num_prompts, out_dir=args.out_dir,
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
                                  drafter=args.drafter, policy=args.draft_policy,
-                                 sampling=sampling_of(args), draft_model=args.draft_model)
+                                 sampling=sampling_of(args), draft_model=args.draft_model,
+                                 batch_size=args.batch_size)
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))
@@ -295,6 +315,7 @@ def main(argv=None):
                            Path(args.model) / checkpoint.TOKENIZER_DIR)
     tree_spec(args)
     sampling_of(args)
+    check_batch_size(args.batch_size, args.tree_top_k is not None)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 
