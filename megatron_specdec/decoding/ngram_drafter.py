@@ -47,7 +47,8 @@ class NgramDrafter:
         recurs, or, under an adaptive policy, when recent proposals were rejected)."""
         found = [self._lookup(history, k) for history in self.history]
         batch = len(found)
-        self.rates = torch.cat([self.rates, torch.full((batch, k - self.rates.shape[1]), PRIOR,
+        grow = max(0, k - self.rates.shape[1])
+        self.rates = torch.cat([self.rates, torch.full((batch, grow), PRIOR,
                                                        dtype=torch.float64)], dim=1)
         drafts = torch.zeros(batch, k, dtype=torch.long)
         for row, tokens in enumerate(found):
