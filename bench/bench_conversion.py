@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -77,6 +78,7 @@ def main():
     p.add_argument("--models", nargs="+", default=["smollm2", "llama1b"])
     p.add_argument("--code", type=Path, default=REPO, help="checkout whose converters run")
     p.add_argument("--label", default="now")
+    p.add_argument("--tps", nargs="+", type=int, default=[1, 2])
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,12 +88,11 @@ def main():
                 hf_dir, dtype, export = default_model_dir(), "float32", True
             else:
                 hf_dir, dtype, export = write_random_llama(tmp / "llama1b"), "bfloat16", False
-            for tp in (1, 2):
+            for tp in args.tps:
                 rows += convert(args.code.resolve(), tmp, model, hf_dir, tp, dtype, export)
                 for old in tmp.glob(f"{model}_*"):  # free the disk before the next run
-                    import shutil
-
-                    shutil.rmtree(old)
+                    shutil.rmtree(old.resolve())  # checkpoints are links to versioned dirs
+                    old.unlink(missing_ok=True)
     for r in rows:
         r["label"] = args.label
     print(f"{'model':<9}{'direction':<16}{'TP':>4}{'seconds':>10}{'peak RSS MiB':>14}{'per process':>13}")
