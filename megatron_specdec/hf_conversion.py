@@ -85,6 +85,8 @@ def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
     model = build_model(config, dtype=dtype, transformer_impl=transformer_impl,
                         perform_initialization=False)
     load_hf_into_model(model, config, state)
+    # Modules built later on this config (a Medusa draft's zero-initialised blocks) initialise.
+    model.config.perform_initialization = True
     return model, config
 
 
