@@ -74,23 +74,11 @@ def load_draft_gpt(path, dtype, vocab_size: int, tokenizer_dir=None):
     """The draft GPT of checkpoint `path` (refused unless it is a plain GPT of the base's
     vocabulary), in `dtype`, whole on this rank, trainable, as a DraftGPT. Collective over
     the world: the checkpoint reader is."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_specdec.decoding.draft_model_drafter import (check_draft_checkpoint,
-                                                               own_process_groups)
+    from megatron_specdec.decoding.draft_model_drafter import load_draft_model
     from megatron_specdec.layers.draft_gpt import DraftGPT
-    from megatron_specdec.model_provider import make_model_provider
 
-    meta = check_draft_checkpoint(path, vocab_size, tokenizer_dir)
-    provider = make_model_provider(
-        checkpoint.hf_config_from_meta(meta), dtype=dtype,
-        transformer_impl=meta["transformer_impl"], padding=meta["padding"],
-        pg_collection=own_process_groups())
-    gpt = provider(pre_process=True, post_process=True).to(device())
-    # Every replica reads whole tensors, so reads overlap: skip the access-integrity check.
-    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), str(path),
-                                                validate_access_integrity=False))
-    return DraftGPT(gpt)
+    gpt = load_draft_model(path, vocab_size, tokenizer_dir, dtype)
+    return DraftGPT(gpt.requires_grad_(True).train())
 
 
 def attach(model, cfg, hf_config=None, tokenizer_dir=None) -> SpeculativeGPTModel:

@@ -88,10 +88,10 @@ def check_draft_checkpoint(path, vocab_size: int, tokenizer_dir=None) -> dict:
     return meta
 
 
-def load_draft_model(path, vocab_size: int, tokenizer_dir=None):
-    """The draft GPTModel of checkpoint `path`, whole on this rank in its own groups
-    (module notes), after check_draft_checkpoint. Collective over the world: the checkpoint
-    reader is."""
+def load_draft_model(path, vocab_size: int, tokenizer_dir=None, dtype=None):
+    """The draft GPTModel of checkpoint `path` (in `dtype`, default its saved one), whole on
+    this rank in its own groups (module notes), after check_draft_checkpoint; frozen, for
+    drafting (the trainer unfreezes it). Collective over the world: the checkpoint reader is."""
     from megatron.core import dist_checkpointing
 
     from megatron_specdec import checkpoint
@@ -100,7 +100,8 @@ def load_draft_model(path, vocab_size: int, tokenizer_dir=None):
 
     meta = check_draft_checkpoint(path, vocab_size, tokenizer_dir)
     provider = make_model_provider(
-        checkpoint.hf_config_from_meta(meta), dtype=checkpoint.dtype_from_name(meta["dtype"]),
+        checkpoint.hf_config_from_meta(meta),
+        dtype=dtype or checkpoint.dtype_from_name(meta["dtype"]),
         transformer_impl=meta["transformer_impl"], padding=meta["padding"],
         pg_collection=own_process_groups())
     model = provider(pre_process=True, post_process=True).to(device())

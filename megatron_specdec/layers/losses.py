@@ -206,11 +206,11 @@ def distill_loss(draft_logits: Tensor, base_logits: Tensor, vocab_size: int, gro
     distribution against the base's (the base entropy is a constant), over n scored positions.
     draft_logits, base_logits: [n, Vp], whole vocabularies (the draft is replicated, the base
     logits gathered); padded ids past `vocab_size` take no part. Reports top-1 agreement."""
+    draft_logits = draft_logits[:, :vocab_size]
+    p = target_probs(base_logits[:, :vocab_size], group)
+    ce = soft_cross_entropy(draft_logits, p, group=group)
     with torch.no_grad():
-        p = target_probs(base_logits[:, :vocab_size], group)
-    ce = soft_cross_entropy(draft_logits[:, :vocab_size], p, group=group)
-    with torch.no_grad():
-        hit = (draft_logits[:, :vocab_size].argmax(-1) == p.argmax(-1)).float()
+        hit = (draft_logits.argmax(-1) == p.argmax(-1)).float()
     total = ce.sum()
     n = torch.tensor(float(ce.shape[0]), device=ce.device)
     return _pack(total, n, {"step_loss": [total.detach()], "step_correct": [hit.sum()],
