@@ -90,26 +90,6 @@ class SpeculativeGPTModel(MegatronModule):
         )
 
     @torch.no_grad()
-    def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        """Base embeddings [s, b, h] of `input_ids` [b, s] on this stage, for drafting: the
-        embedding layer on the first stage; on the last stage of a tied model, the output
-        layer's identical weight, looked up vocab-parallel like VocabParallelEmbedding."""
-        base = self.base
-        if self.pre_process:
-            return base.embedding(input_ids=input_ids, position_ids=None)
-        if not (self.post_process and base.share_embeddings_and_output_weights):
-            raise ValueError("this pipeline stage holds no copy of the embedding (untied model): "
-                             "carry embeddings from the first stage, as run_base does")
-        weight = base.output_layer.weight  # [Vp/TP, h]
-        local = input_ids - ps.get_tensor_model_parallel_rank() * weight.shape[0]
-        outside = (local < 0) | (local >= weight.shape[0])
-        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-        out = out.masked_fill(outside[..., None], 0)
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(out, group=ps.get_tensor_model_parallel_group())
-        return out.transpose(0, 1).contiguous()
-
-    @torch.no_grad()
     def base_head(self, residual: Tensor):
         """(final hidden [s, b, h], this rank's base logits [s, b, Vp/TP]) on the last stage."""
         base = self.base
