@@ -1,7 +1,8 @@
 """Units of speculative generation in one process (small seeded random Llama): the EAGLE3
 draft cache after many accepts and rollbacks equals a fresh prefill of the same sequence;
-the cached draft chain reproduces the training-time-test unroll it was trained with; the
-acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG, for chain
+the cached draft chain reproduces the training-time-test unroll it was trained with; a draft
+that is never confident is asked only on the adaptive policy's backoff schedule and reads the
+skipped base states in one forward per probe; the acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG, for chain
 (at batch 2) and tree drafting, and names a bad --batch-size."""
 
 import json
@@ -85,6 +86,61 @@ def test_cached_chain_equals_training_time_test(eagle3):
                 drafter._step(hidden, torch.tensor([[seq[t + j + 1]]]))
                 hidden, logits = drafter._last
                 torch.testing.assert_close(logits[0], ttt[j][t + j], atol=1e-4, rtol=1e-4)
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_a_draft():
+    from megatron_specdec.decoding.draft_policy import DraftPolicy
+
+    policy, backoff, schedule = DraftPolicy(K), 0, []
+    for _ in range(8):
+        backoff = policy.next_backoff(backoff, drafted=0)
+        schedule.append(backoff)
+    assert schedule == [1, 2, 4, 8, 16, 32, 32, 32]
+    assert policy.next_backoff(32, drafted=1) == 0
+    assert DraftPolicy.named("fixed", K).next_backoff(0, drafted=0) == 0
+
+
+class _Recording:
+    """An EAGLE3 drafter that logs how many drafts each propose kept and how many tokens each
+    accept read."""
+
+    def __init__(self, inner):
+        self.inner, self.log = inner, []
+
+    def start(self, *args):
+        self.inner.start(*args)
+
+    def propose(self, k, policy=None):
+        drafts, counts = self.inner.propose(k, policy)
+        self.log.append(("propose", int(counts.max())))
+        return drafts, counts
+
+    def accept(self, tokens, counts, out):
+        self.log.append(("accept", int(counts.max())))
+        self.inner.accept(tokens, counts, out)
+
+
+def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
+    """A random draft never reaches a 0.99 threshold: it is asked at rounds 0, 2, 5, 10, 19
+    and 36 only (backoff 1, 2, 4, 8, 16), each time after reading the rounds it sat out in one
+    forward, every other round is a plain step, and the output is plain greedy's."""
+    from megatron_specdec.decoding.draft_policy import DraftPolicy
+    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
+    from megatron_specdec.decoding.embedding import last_stage_embedding
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.generation import greedy_generate
+
+    drafter = _Recording(Eagle3Drafter(eagle3, last_stage_embedding(eagle3)))
+    result = SpeculativeGenerator(eagle3, K, drafter=drafter,
+                                  policy=DraftPolicy(K, 0.99)).generate(PROMPT, NEW)
+    assert result.tokens == greedy_generate(eagle3.base, [PROMPT], NEW, HF["vocab_size"])[0]
+    assert result.drafted == [0] * (NEW - 1)
+    probes = [0, 2, 5, 10, 19, 36]
+    want = [("propose", 0)]
+    for before, probe in zip(probes, probes[1:]):
+        want += [("accept", probe - before), ("propose", 0)]
+    assert drafter.log == want
+    assert int(drafter.inner.real[0]) == len(PROMPT) + probes[-1]  # every state read once
 
 
 def test_acceptance_metrics_hand_made():
