@@ -1,7 +1,8 @@
 """Generation speed against what a user would run instead, side by side in one process.
 
 For each MT-bench prompt (first turn, chat template; batch 1, greedy) every method below
-generates up to --max-new-tokens, prompt by prompt in turn, so drift in the machine's speed
+generates up to --max-new-tokens, prompt by prompt in turn (in reverse order every other
+prompt, so no method always runs right after the same one), so drift in the machine's speed
 hits all of them alike:
 
 - transformers `generate` greedy, and with prompt lookup (`prompt_lookup_num_tokens=10`),
@@ -185,9 +186,9 @@ def main():
     load_before = os.getloadavg()[0]
     stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": []} for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
-        for name, run in runs.items():
+        for name in list(runs) if number % 2 else reversed(list(runs)):
             start = time.perf_counter()
-            tokens, result = run(ids)
+            tokens, result = runs[name](ids)
             stats[name]["seconds"] += time.perf_counter() - start
             stats[name]["tokens"] += len(tokens)
             stats[name]["outputs"].append(tokens)
