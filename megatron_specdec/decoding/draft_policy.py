@@ -13,8 +13,8 @@ measure its confidence, its lm_head at the newest one (for a full-vocabulary dra
 sixth of a base step on CPU, where decoding streams the weights). So after a round that
 drafted nothing the drafter sits out `backoff` rounds (1, 2, 4, ... up to `max_backoff`,
 reset by a round that drafts) and then reads the skipped states in one forward: a draft that
-never pays is asked 6 times in 64 tokens and then once every 33 (under 1% over plain
-decoding), and one that is confident in stretches is back within a few tokens.
+never pays is asked 6 times in 64 tokens and then once every 33 rounds, and one that is
+confident in stretches is back within a few tokens.
 """
 
 import math
