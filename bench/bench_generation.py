@@ -177,14 +177,14 @@ def main():
         raise SystemExit(f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there (expected an "
                          f"HF EAGLE3 draft directory, as export_draft writes)")
     distributed.initialize(1, 1)
-    model, tokenizer_dir, what = build(args)
+    model, hf_dir, what = build(args)
     model.eval()
-    check_draft_model_args(args, model.vocab_size, tokenizer_dir)
-    served_base = None if args.no_vllm else vllm_base(args, tokenizer_dir)
-    tokenizer = load_tokenizer(str(tokenizer_dir))
+    check_draft_model_args(args, model.vocab_size, hf_dir)
+    served_base = None if args.no_vllm else vllm_base(args, hf_dir)
+    tokenizer = load_tokenizer(str(hf_dir))
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
-    runs, hf_model = methods(args, model, tokenizer_dir, eos, tree)
+    runs, hf_model = methods(args, model, hf_dir, eos, tree)
     load_before = os.getloadavg()[0]
     stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": []} for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):

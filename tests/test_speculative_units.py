@@ -2,8 +2,9 @@
 draft cache after many accepts and rollbacks equals a fresh prefill of the same sequence;
 the cached draft chain reproduces the training-time-test unroll it was trained with; a draft
 that is never confident is asked only on the adaptive policy's backoff schedule and reads the
-skipped base states in one forward per probe; the acceptance metrics on a hand-made case; the validation CLI writes its JSON and PNG, for chain
-(at batch 2) and tree drafting, and names a bad --batch-size."""
+skipped base states in one forward per probe; the acceptance metrics on a hand-made case; the
+validation CLI writes its JSON and PNG, for chain (at batch 2) and tree drafting, and names a
+bad --batch-size."""
 
 import json
 import subprocess
