@@ -7,7 +7,7 @@ hits all of them alike:
 
 - transformers `generate` greedy, and with prompt lookup (`prompt_lookup_num_tokens=10`),
   on the same SmolLM2 weights (the outside anchors);
-- the project's plain greedy (`generation.greedy_generate`);
+- the project's plain greedy (`generation.plain_generate`);
 - the project's speculative generation: the draft module with a fixed chain of k and with the
   adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting;
   with --draft-model, a separate GPT of the same vocabulary drafting (fixed k and adaptive).
@@ -89,7 +89,7 @@ def methods(args, model, hf_dir, eos, tree):
     from transformers import AutoModelForCausalLM
 
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     n = args.max_new_tokens
@@ -97,7 +97,7 @@ def methods(args, model, hf_dir, eos, tree):
         "transformers greedy": hf_runner(hf_model, eos, n),
         "transformers prompt lookup": hf_runner(hf_model, eos, n, prompt_lookup_num_tokens=10),
         "project greedy": lambda ids: (
-            greedy_generate(model.base, [ids], n, model.vocab_size, eos)[0], None),
+            plain_generate(model.base, [ids], n, model.vocab_size, eos)[0], None),
     }
     drafts = {f"{model.algo} fixed k": SpeculativeGenerator(model, args.num_draft_tokens,
                                                             policy="fixed"),
@@ -322,7 +322,7 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
 
 def batch_throughput(model, hf_model, prompts, eos, args):
     """Plain greedy over left-padded batches of the prompts: project vs transformers."""
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     out = {}
     for size in args.batch_sizes:
@@ -332,7 +332,7 @@ def batch_throughput(model, hf_model, prompts, eos, args):
         for i in range(0, len(prompts), size):
             batch = [ids for _, ids in prompts[i: i + size]]
             start = time.perf_counter()
-            ours = greedy_generate(model.base, batch, args.max_new_tokens, model.vocab_size, eos)
+            ours = plain_generate(model.base, batch, args.max_new_tokens, model.vocab_size, eos)
             seconds["project"] += time.perf_counter() - start
             start = time.perf_counter()
             theirs = hf_batch(hf_model, batch, eos, args.max_new_tokens)
@@ -370,7 +370,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.metrics import acceptance_summary
     from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     if not args.temperature:
         return {}
@@ -391,7 +391,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
         stats["transformers sampling"][0] += time.perf_counter() - start
         stats["transformers sampling"][1] += out.shape[1] - len(ids)
         start = time.perf_counter()
-        plain = greedy_generate(model.base, [ids], n, model.vocab_size, eos, temperature=t,
+        plain = plain_generate(model.base, [ids], n, model.vocab_size, eos, temperature=t,
                                 generator=torch.Generator().manual_seed(i))[0]
         stats["project plain sampling"][0] += time.perf_counter() - start
         stats["project plain sampling"][1] += len(plain)

@@ -30,7 +30,7 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
 
     from megatron_specdec import distributed
     from megatron_specdec.data import end_of_turn_ids
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
     from megatron_specdec.hf_conversion import load_model_for_inference
 
     distributed.initialize(tp, pp)
@@ -40,7 +40,7 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
                                          add_generation_prompt=True, return_dict=False)
            for p in prompts]
     start = time.time()
-    out = greedy_generate(model, ids, max_new_tokens, config.vocab_size,
+    out = plain_generate(model, ids, max_new_tokens, config.vocab_size,
                           eos_ids=end_of_turn_ids(tokenizer))
     seconds = time.time() - start
     return [tokenizer.decode(o) for o in out], sum(map(len, out)) / seconds

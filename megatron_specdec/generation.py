@@ -144,11 +144,12 @@ def left_pad(prompts, pad_id: int, device=None):
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
-                    temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                    top_k: int = 0):
-    """Continuations of `prompts` (lists of token ids), stopping a row at any id in `eos_ids`
-    (not included in its result) or after `max_new_tokens`. `vocab_size` is the unpadded
+def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
+                   temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                   top_k: int = 0):
+    """Plain (non-speculative) generation, greedy or sampled: continuations of `prompts`
+    (lists of token ids), stopping a row at any id in `eos_ids` (not included in its
+    result) or after `max_new_tokens`. `vocab_size` is the unpadded
     vocabulary. Greedy by default; `temperature` > 0 samples (after top-k, then top-p) from
     the last stage's `generator`, as decoding.sampling.Sampling does for speculative
     sampling; data synthesis uses it to draw diverse prompts. All model-parallel ranks call

@@ -68,13 +68,13 @@ def test_decode_over_the_cache_equals_a_full_forward(model):
 
 
 def test_left_padded_batch_rows_equal_their_batch_1_output(model):
-    from megatron_specdec.generation import StageRunner, greedy_generate, left_pad
+    from megatron_specdec.generation import StageRunner, plain_generate, left_pad
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, HF["vocab_size"], (n,), generator=g).tolist() for n in (3, 17, 9)]
-    batch = greedy_generate(model.base, prompts, 12, HF["vocab_size"])
+    batch = plain_generate(model.base, prompts, 12, HF["vocab_size"])
     for prompt, row in zip(prompts, batch):
-        assert row == greedy_generate(model.base, [prompt], 12, HF["vocab_size"])[0]
+        assert row == plain_generate(model.base, [prompt], 12, HF["vocab_size"])[0]
     tokens, lengths = left_pad(prompts, 0)
     runner = StageRunner(model.base, len(prompts), tokens.shape[1], HF["vocab_size"])
     runner.step(tokens, counts=lengths)
@@ -85,14 +85,14 @@ def test_left_padded_batch_rows_equal_their_batch_1_output(model):
 
 def test_bad_generation_input_is_named(model):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
-        greedy_generate(model.base, [[1, 2], []], 4, HF["vocab_size"])
+        plain_generate(model.base, [[1, 2], []], 4, HF["vocab_size"])
     with pytest.raises(ValueError, match="at least one prompt"):
-        greedy_generate(model.base, [], 4, HF["vocab_size"])
+        plain_generate(model.base, [], 4, HF["vocab_size"])
     with pytest.raises(ValueError, match="top_p"):
-        greedy_generate(model.base, [[1]], 4, HF["vocab_size"], temperature=1.0, top_p=0.0)
+        plain_generate(model.base, [[1]], 4, HF["vocab_size"], temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         SpeculativeGenerator(model, 0)
     with pytest.raises(ValueError, match="draft policy 'eager'"):

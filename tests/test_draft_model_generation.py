@@ -57,12 +57,12 @@ def save_draft(path, keep, tokenizer_dir=None):
 def identity_worker(tp, pp, draft_dir, out_file):
     from megatron_specdec.decoding.draft_policy import DraftPolicy
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     distributed.initialize(tp, pp)
     save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
     model = build("eagle3")
-    greedy = greedy_generate(model.base, [PROMPT], NEW, HF["vocab_size"])[0]
+    greedy = plain_generate(model.base, [PROMPT], NEW, HF["vocab_size"])[0]
     generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft-model",
                                      draft_model=draft_dir)
     results = {"fixed": generator.generate(PROMPT, NEW)}

@@ -13,7 +13,7 @@ from test_speculative_generation import HF, PROMPT
 
 def test_identity_layer_is_pruned_and_output_unchanged():
     from megatron_specdec.depth_pruning import layer_importance, layers_to_keep, prune
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     distributed.initialize(1, 1)
     model, config = draft_model([0, 1, 2, 3])
@@ -27,7 +27,7 @@ def test_identity_layer_is_pruned_and_output_unchanged():
     assert keep == [0, 1, 3]
     pruned, pruned_config = prune(model, config, keep)
     assert pruned_config.num_hidden_layers == 3 and len(pruned.decoder.layers) == 3
-    full = greedy_generate(model, [PROMPT], 12, HF["vocab_size"])
-    assert greedy_generate(pruned, [PROMPT], 12, HF["vocab_size"]) == full
+    full = plain_generate(model, [PROMPT], 12, HF["vocab_size"])
+    assert plain_generate(pruned, [PROMPT], 12, HF["vocab_size"]) == full
     with pytest.raises(ValueError, match="--num-layers 5"):
         layers_to_keep(importance, 5)

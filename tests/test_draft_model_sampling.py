@@ -16,7 +16,7 @@ def test_draft_model_sampling_matches_plain_sampling():
     from megatron_specdec.decoding.draft_model_drafter import DraftModelDrafter
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     distributed.initialize(1, 1)
     model = build("eagle3")
@@ -27,7 +27,7 @@ def test_draft_model_sampling_matches_plain_sampling():
     plain, spec, accepted = [], [], []
     for seed in range(RUNS):
         rng = torch.Generator().manual_seed(seed)
-        plain.append(greedy_generate(model.base, [PROMPT], NEW, vocab, generator=rng,
+        plain.append(plain_generate(model.base, [PROMPT], NEW, vocab, generator=rng,
                                      **SETTINGS)[0])
         result = generator.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
         spec.append(result.tokens)

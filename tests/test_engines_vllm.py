@@ -6,7 +6,7 @@ accepts tokens from) over a 2048-id draft vocabulary, imported into a speculativ
 saved at TP=2 and exported by export_draft in fp32 and bf16, plus a two-layer draft:
 
 - vLLM's speculative output equals vLLM's greedy output, which equals the project's
-  greedy_generate on the same fp32 weights, token for token;
+  plain_generate on the same fp32 weights, token for token;
 - vLLM accepts the draft's tokens, and serves an export without d2t silently dead, which is
   why `export_draft --verify-with vllm` checks the files and the acceptance length;
 - `--verify-with vllm` passes the good export and names the fault of broken ones.
@@ -47,12 +47,12 @@ def vllm_env():
 def _project_greedy(prompts, out_file):
     """The project's greedy continuations of SmolLM2 (fp32), K tokens past NEW_TOKENS (what a
     last round verifies beyond the end)."""
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
     from megatron_specdec.hf_conversion import model_from_hf
 
     distributed.initialize(1, 1)
     model, config = model_from_hf("default")
-    torch.save(greedy_generate(model.eval(), prompts, NEW_TOKENS + K, config.vocab_size),
+    torch.save(plain_generate(model.eval(), prompts, NEW_TOKENS + K, config.vocab_size),
                out_file)
 
 
@@ -133,7 +133,7 @@ def test_vllm_speculative_output_is_its_greedy_and_the_projects(served):
         assert result.error is None, (name, result.error, result.where)
     assert list(results) == ["greedy", "ngram", *served["exports"]]
     greedy = results["greedy"].outputs
-    assert greedy == served["project_greedy"], "vLLM greedy != the project's greedy_generate"
+    assert greedy == served["project_greedy"], "vLLM greedy != the project's plain_generate"
     for name in ("ngram", *served["exports"]):
         assert results[name].outputs == greedy, name
         assert results[name].tokens == NEW_TOKENS * len(served["prompts"]), name

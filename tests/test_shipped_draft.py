@@ -28,13 +28,13 @@ def test_shipped_files_are_committable_and_described():
 
 def _worker(ckpt, prompt, out_file):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
     from megatron_specdec.speculative import load_speculative
 
     distributed.initialize(2, 1)
     model, _, _ = load_speculative(ckpt)
     model.eval()
-    greedy = greedy_generate(model.base, [prompt], NEW, model.vocab_size)[0]
+    greedy = plain_generate(model.base, [prompt], NEW, model.vocab_size)[0]
     result = SpeculativeGenerator(model, 7, policy="fixed").generate(prompt, NEW)
     if is_writer():
         torch.save({"greedy": greedy, "tokens": result.tokens, "accepted": result.accepted},

@@ -35,7 +35,7 @@ def policies(kind):
 def batch_worker(tp, pp, draft_dir, out_file):
     """Batch-1 plain greedy per prompt, and the batch through every drafter and policy."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     distributed.initialize(tp, pp)
     save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
@@ -43,7 +43,7 @@ def batch_worker(tp, pp, draft_dir, out_file):
     for algo, kinds in DRAFTERS.items():
         model = build(algo)
         # K + 1 further tokens: the oracle's drafts in the last round are right too.
-        results[algo] = [greedy_generate(model.base, [p], NEW + K + 1, HF["vocab_size"])[0]
+        results[algo] = [plain_generate(model.base, [p], NEW + K + 1, HF["vocab_size"])[0]
                          for p in PROMPTS]
         for kind in kinds:
             generator = SpeculativeGenerator(
@@ -92,9 +92,9 @@ def eagle3():
 @pytest.mark.parametrize("kind", ["eagle3", "ngram"])
 def test_a_row_that_ends_stops_growing(eagle3, kind):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
-    greedy = [greedy_generate(eagle3.base, [p], NEW, HF["vocab_size"])[0] for p in PROMPTS]
+    greedy = [plain_generate(eagle3.base, [p], NEW, HF["vocab_size"])[0] for p in PROMPTS]
     eos = greedy[1][4]  # row 1 ends after 4 tokens (others may meet it too)
     rows = SpeculativeGenerator(eagle3, K, drafter_kind=kind).generate_batch(
         PROMPTS, NEW, eos_ids=[eos])

@@ -55,13 +55,13 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
     `tree`/`oracle_tree` are the TreeSpecs of the last two (None: chain)."""
     from megatron_specdec.decoding.draft_policy import DraftPolicy
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     distributed.initialize(tp, pp)
     results = {}
     for algo in ALGOS:
         model = build(algo)
-        greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+        greedy = plain_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
         plain = SpeculativeGenerator(model, K, tree=tree, policy="fixed").generate(PROMPT, NEW)
         results[f"{algo}-adaptive"] = {"greedy": greedy[:NEW], "plain": SpeculativeGenerator(
             model, K, tree=tree, policy=DraftPolicy(K, THRESHOLD[algo])).generate(PROMPT, NEW)}

@@ -54,14 +54,14 @@ def _same_distribution(a, b) -> float:
 def test_speculative_sampling_matches_plain_sampling(model):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     vocab = HF["vocab_size"]
-    greedy = greedy_generate(model.base, [PROMPT], NEW + K + 1, vocab)[0]
+    greedy = plain_generate(model.base, [PROMPT], NEW + K + 1, vocab)[0]
 
     def plain(seed):
         rng = torch.Generator().manual_seed(seed)
-        return greedy_generate(model.base, [PROMPT], NEW, vocab, generator=rng, **SETTINGS)[0]
+        return plain_generate(model.base, [PROMPT], NEW, vocab, generator=rng, **SETTINGS)[0]
 
     speculative, accepted = _generator(model, greedy), []
 

@@ -20,13 +20,13 @@ def worker(tp, pp, hf_dir, prompt, out_file, tree=None, oracle_tree=None):
     `tree`/`oracle_tree` are the TreeSpecs of the two speculative runs (None: chain)."""
     from megatron_specdec import convert
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
     from megatron_specdec.hf_conversion import model_from_hf
 
     distributed.initialize(tp, pp)
     base, config = model_from_hf(hf_dir)
     base.eval()
-    greedy = greedy_generate(base, [prompt], NEW + K + 1, config.vocab_size)[0]
+    greedy = plain_generate(base, [prompt], NEW + K + 1, config.vocab_size)[0]
     results = {"greedy": greedy[:NEW]}
     for algo, cfg in (("eagle3", {"ttt_steps": K}), ("medusa", {"medusa_num_heads": K})):
         model = convert(base, algo, cfg, hf_config=config).eval()

@@ -34,9 +34,9 @@ def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
     from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
     from megatron_specdec.decoding.embedding import last_stage_embedding
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
-    greedy = greedy_generate(eagle3.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+    greedy = plain_generate(eagle3.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
     embedding = last_stage_embedding(eagle3)
     oracle = OracleDrafter(Eagle3Drafter(eagle3, embedding), [greedy], [WRONG_AT],
                            HF["vocab_size"])
@@ -129,12 +129,12 @@ def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
     from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
     from megatron_specdec.decoding.embedding import last_stage_embedding
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     drafter = _Recording(Eagle3Drafter(eagle3, last_stage_embedding(eagle3)))
     result = SpeculativeGenerator(eagle3, K, drafter=drafter,
                                   policy=DraftPolicy(K, 0.99)).generate(PROMPT, NEW)
-    assert result.tokens == greedy_generate(eagle3.base, [PROMPT], NEW, HF["vocab_size"])[0]
+    assert result.tokens == plain_generate(eagle3.base, [PROMPT], NEW, HF["vocab_size"])[0]
     assert result.drafted == [0] * (NEW - 1)
     probes = [0, 2, 5, 10, 19, 36]
     want = [("propose", 0)]

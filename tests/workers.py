@@ -3,7 +3,7 @@
 import torch
 
 from megatron_specdec import checkpoint, distributed
-from megatron_specdec.generation import StageRunner, greedy_generate
+from megatron_specdec.generation import StageRunner, plain_generate
 from megatron_specdec.hf_conversion import load_model_for_inference, model_from_hf
 
 
@@ -21,7 +21,7 @@ def parity(tp, pp, hf_dir, prompt_ids, new_tokens, out_file):
     model.eval()
     runner = StageRunner(model, 1, len(prompt_ids), config.vocab_size)
     logits = runner.step(torch.tensor([prompt_ids]))
-    tokens = greedy_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
+    tokens = plain_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
     if is_writer():
         torch.save({"logits": logits[0], "tokens": tokens}, out_file)
 

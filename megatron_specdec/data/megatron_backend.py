@@ -1,7 +1,7 @@
 """Generation backend that runs the target as a Megatron-Core model in this process.
 
 A thin adapter over `megatron_specdec.hf_conversion.load_model_for_inference` and
-`megatron_specdec.generation.greedy_generate`, imported on construction so that the data
+`megatron_specdec.generation.plain_generate`, imported on construction so that the data
 package (and the OpenAI path) never pull in Megatron. Single process (tp=pp=1).
 """
 
@@ -18,12 +18,12 @@ class MegatronBackend:
     def __init__(self, checkpoint: str = "default", tokenizer=None):
         from megatron_specdec import distributed
         from megatron_specdec.hf_conversion import load_model_for_inference
-        from megatron_specdec.generation import greedy_generate
+        from megatron_specdec.generation import plain_generate
 
         distributed.initialize(tp=1, pp=1)
         self.model, config, tokenizer_dir = load_model_for_inference(checkpoint)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
-        self._generate = greedy_generate
+        self._generate = plain_generate
         self._vocab_size = config.vocab_size
         self._eos_ids = end_of_turn_ids(self.tokenizer)
 
@@ -44,6 +44,6 @@ class MegatronBackend:
         return self._with_eos(completions, max_new_tokens)
 
     def _with_eos(self, completions, max_new_tokens):
-        # greedy_generate drops the end-of-turn id; a row shorter than the budget stopped on one.
+        # plain_generate drops the end-of-turn id; a row shorter than the budget stopped on one.
         eos = min(self._eos_ids)
         return [ids + [eos] if len(ids) < max_new_tokens else ids for ids in completions]

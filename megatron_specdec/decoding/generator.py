@@ -13,7 +13,7 @@ places a row's tokens at its own slots and RoPE positions (layers.decode_attenti
 each row's output is the one it gets alone. A row that has finished (end-of-turn id or
 max_new_tokens) drafts nothing and keeps nothing until the batch is done. Drafters: EAGLE3,
 Medusa, or prompt lookup (n-gram). The emitted sequence is the base's own greedy
-continuation, so it matches generation.greedy_generate token for token (up to float ties
+continuation, so it matches generation.plain_generate token for token (up to float ties
 between a k+1-token and a 1-token forward). A separate GPT of the target's vocabulary can
 draft instead (`drafter_kind="draft-model"`, draft_model_drafter.py).
 

@@ -105,7 +105,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     from megatron_specdec.data import end_of_turn_ids
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.distributed import is_rank0
-    from megatron_specdec.generation import greedy_generate
+    from megatron_specdec.generation import plain_generate
 
     check_batch_size(batch_size, tree is not None)
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
@@ -129,7 +129,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                 temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
                 generator=torch.Generator().manual_seed(settings.seed))
             start = time.perf_counter()
-            plain = greedy_generate(model.base, ids, max_new_tokens, model.vocab_size, eos,
+            plain = plain_generate(model.base, ids, max_new_tokens, model.vocab_size, eos,
                                     **knobs)
             greedy_time += time.perf_counter() - start
             plain_tokens += sum(len(p) for p in plain)
