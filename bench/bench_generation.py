@@ -392,7 +392,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
         stats["transformers sampling"][1] += out.shape[1] - len(ids)
         start = time.perf_counter()
         plain = plain_generate(model.base, [ids], n, model.vocab_size, eos, temperature=t,
-                                generator=torch.Generator().manual_seed(i))[0]
+                               generator=torch.Generator().manual_seed(i))[0]
         stats["project plain sampling"][0] += time.perf_counter() - start
         stats["project plain sampling"][1] += len(plain)
         for name, generator in generators.items():

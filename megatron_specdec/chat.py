@@ -41,7 +41,7 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
            for p in prompts]
     start = time.time()
     out = plain_generate(model, ids, max_new_tokens, config.vocab_size,
-                          eos_ids=end_of_turn_ids(tokenizer))
+                         eos_ids=end_of_turn_ids(tokenizer))
     seconds = time.time() - start
     return [tokenizer.decode(o) for o in out], sum(map(len, out)) / seconds
 

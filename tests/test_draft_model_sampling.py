@@ -28,7 +28,7 @@ def test_draft_model_sampling_matches_plain_sampling():
     for seed in range(RUNS):
         rng = torch.Generator().manual_seed(seed)
         plain.append(plain_generate(model.base, [PROMPT], NEW, vocab, generator=rng,
-                                     **SETTINGS)[0])
+                                    **SETTINGS)[0])
         result = generator.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
         spec.append(result.tokens)
         accepted.extend(result.accepted)

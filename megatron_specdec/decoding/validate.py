@@ -130,7 +130,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                 generator=torch.Generator().manual_seed(settings.seed))
             start = time.perf_counter()
             plain = plain_generate(model.base, ids, max_new_tokens, model.vocab_size, eos,
-                                    **knobs)
+                                   **knobs)
             greedy_time += time.perf_counter() - start
             plain_tokens += sum(len(p) for p in plain)
             identical += sum(p == r.tokens for p, r in zip(plain, results))
