@@ -114,6 +114,9 @@ def run(device, repeats):
 
 
 def main():
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

@@ -122,6 +122,9 @@ def _run(fn, world, *args):
 
 
 def main(argv=None):
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="shorter sequences, fewer steps and vocabularies")
     p.add_argument("--seq_len", type=int, default=256)

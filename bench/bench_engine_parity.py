@@ -121,6 +121,9 @@ def print_table(report):
 
 
 def main(argv=None):
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     from megatron_specdec import checkpoint
     from megatron_specdec.data import end_of_turn_ids, load_tokenizer
     from megatron_specdec.decoding.validate import read_prompts

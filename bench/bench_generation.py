@@ -134,6 +134,9 @@ def spec_runner(generator, max_new_tokens, eos):
 
 
 def main():
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True,
                    help="MT-bench jsonl (e.g. ../shared/data/mt_bench.jsonl)")

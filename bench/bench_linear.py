@@ -36,6 +36,9 @@ def quantile_ms(fn, repeats):
 
 
 def main():
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "linear.json"))

@@ -66,6 +66,9 @@ def launch(mode: str, tp: int, dtype: str, args, data: Path, work: Path) -> dict
 
 
 def main():
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)

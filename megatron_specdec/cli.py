@@ -14,6 +14,18 @@ USER_ERRORS = (CheckpointError, UnsupportedModelError, WeightMappingError, FileN
                FileExistsError, ValueError)
 
 
+# Library warnings a user can do nothing about, each seen on every run of a tool: megatron-core
+# on every absent optional accelerator; its dist_checkpointing loader, which still calls the
+# torch APIs torch has deprecated (ShardedTensor, `load_state_dict`); and its config upgrade
+# of the legacy `cuda_graph_scope="full"` default.
+BENIGN_WARNINGS = (
+    ".*(Apex|apex|Transformer Engine|TE).*",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "`load_state_dict` is deprecated",
+    "full scope is deprecated",
+)
+
+
 def setup_logging():
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -21,8 +33,8 @@ def setup_logging():
         format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
     )
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    # megatron-core warns about every absent optional accelerator; once is plenty.
-    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine|TE).*")
+    for message in BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 
 def run_cli(main) -> int:
