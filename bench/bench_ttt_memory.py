@@ -87,7 +87,7 @@ def _attention_step(attention, s: int):
     return step
 
 
-def child(impl: str, s: int, limit_gib: float, attention_only: bool):
+def child(impl: str, s: int, limit_gib: float, attention_only: bool, recompute: bool):
     import torch
     from transformers import LlamaConfig
 
@@ -108,7 +108,11 @@ def child(impl: str, s: int, limit_gib: float, attention_only: bool):
                          max_position_embeddings=8192, tie_word_embeddings=False,
                          rope_theta=500000.0, rms_norm_eps=1e-5)
         torch.manual_seed(0)
-        base = build_model(hf, dtype=torch.bfloat16, perform_initialization=False)
+        # megatron's full-layer recomputation switch; the draft reads it (the base is frozen)
+        recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
+                              recompute_num_layers=1) if recompute else {}
+        base = build_model(hf, dtype=torch.bfloat16, perform_initialization=False,
+                           **recompute_args)
         with torch.no_grad():  # uniform fill: megatron's initialisation takes minutes here
             for p in base.parameters():
                 p.uniform_(-0.02, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -129,14 +133,16 @@ def child(impl: str, s: int, limit_gib: float, attention_only: bool):
     step()
     seconds = time.time() - start
     peak = _status_kib("VmHWM") * 1024
-    print(json.dumps({"impl": impl, "seq": s, "rss_before_mib": before / 2**20,
+    print(json.dumps({"impl": impl, "seq": s, "recompute": recompute,
+                      "rss_before_mib": before / 2**20,
                       "peak_mib": peak / 2**20, "step_mib": (peak - before) / 2**20,
                       "seconds": seconds}), flush=True)
 
 
-def run_child(impl: str, s: int, limit_gib: float, attention_only: bool) -> dict:
+def run_child(impl: str, s: int, limit_gib: float, attention_only: bool,
+              recompute: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", impl, "--seqs", str(s), "--limit-gib", str(limit_gib)]
-    cmd += ["--attention-only"] * attention_only
+    cmd += ["--attention-only"] * attention_only + ["--recompute"] * recompute
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
@@ -147,7 +153,7 @@ def run_child(impl: str, s: int, limit_gib: float, attention_only: bool) -> dict
 def _write(path, rows):
     """Merge the rows so far into `path` by (what, impl, s): a long run leaves what it has
     measured, and the step and attention-only runs share the file. Returns the load."""
-    key = lambda r: (r.get("what", "step"), r["impl"], r["seq"])  # noqa: E731
+    key = lambda r: (r.get("what", "step"), r["impl"], r["seq"], r.get("recompute"))  # noqa: E731
     kept = json.loads(Path(path).read_text())["rows"] if Path(path).is_file() else []
     new = {key(r) for r in rows}
     load = os.getloadavg()
@@ -157,6 +163,7 @@ def _write(path, rows):
                 "half the row scored; forward + backward",
         "attention": "the TTT attention alone: 7 steps of one layer, 32/8 heads of 128, bf16, "
                      "forward + backward",
+        "recompute": "the draft layer recomputed in backward (recompute_granularity=full)",
         "old": f"layers/ttt_attention.py at {OLD_COMMIT}", "load_avg": load,
         "rows": [r for r in kept if key(r) not in new] + rows}, indent=1) + "\n")
     return load
@@ -170,10 +177,12 @@ def main():
     p.add_argument("--child", choices=["new", "old"])
     p.add_argument("--attention-only", action="store_true",
                    help="the TTT attention alone (one layer's 7 steps), not the training step")
-    p.add_argument("--out", default=str(ROOT / "bench/results/ttt_memory.json"))
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute the draft layer in backward (megatron's recompute_granularity=full)")
+    p.add_argument("--out", default=str(ROOT / "bench/results/ttt_memory_chunked.json"))
     args = p.parse_args()
     if args.child:
-        return child(args.child, args.seqs[0], args.limit_gib, args.attention_only)
+        return child(args.child, args.seqs[0], args.limit_gib, args.attention_only, args.recompute)
     rows, last = [], {}
     what = "attention" if args.attention_only else "step"
     for s in args.seqs:
@@ -187,7 +196,7 @@ def main():
                                  f"MiB > limit {args.limit_gib * 1024:.0f} MiB"})
                     print(rows[-1], flush=True)
                     continue
-            last[impl] = run_child(impl, s, args.limit_gib, args.attention_only)
+            last[impl] = run_child(impl, s, args.limit_gib, args.attention_only, args.recompute)
             rows.append({"what": what, **last[impl]})
             print(rows[-1], flush=True)
             _write(args.out, rows)

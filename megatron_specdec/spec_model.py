@@ -34,6 +34,7 @@ class SpeculativeGPTModel(MegatronModule):
         self.post_process = base.post_process
         self.aux_layer_ids = spec_cfg.aux_layer_ids
         self.carries_embeds = self.algo == "eagle3"
+        self.loss_chunk_rows = losses.LOSS_CHUNK_ROWS  # scored positions whose logits exist at once
         # Read by megatron's finalize_model_grads: the frozen base's tied embedding has no
         # gradient to all-reduce between the first and last stage.
         self.share_embeddings_and_output_weights = False
@@ -127,17 +128,22 @@ class SpeculativeGPTModel(MegatronModule):
         b, s = input_ids.shape
         masks = losses.chain_masks(loss_mask, attention_mask, cfg.ttt_steps)
         rows = masks[0].nonzero().squeeze(1)  # positions u step 0 scores, s-major over [s, b]
-        _, base_logits = self.base_head(state.residual.reshape(s * b, 1, -1)[rows + b])  # u+1
+        residual = state.residual.reshape(s * b, 1, -1)
+        targets = []
+        for chunk in rows.split(self.loss_chunk_rows):  # base logits at u+1, a chunk at a time
+            _, base_logits = self.base_head(residual[chunk + b])
+            base_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
+            targets.append(losses.eagle3_targets(
+                base_logits.reshape(chunk.numel(), -1), draft.target_ids(),
+                cfg.padded_draft_vocab_size, base_offset, self.vocab_size))
         aux = torch.cat(state.aux, dim=-1)
         next_embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])  # token u+1 at u
-        step_logits = draft.training_time_test(
+        step_hidden = draft.ttt_hidden(
             aux, next_embeds, self.rotary_pos_emb(s), attention_mask, cfg.ttt_steps, rows)
         return losses.eagle3_loss(
-            step_logits, base_logits, masks[:, rows], draft.target_ids(), draft.t2d,
-            cfg.padded_draft_vocab_size, draft.vocab_offset,
-            ps.get_tensor_model_parallel_rank() * base_logits.shape[-1], self.vocab_size,
-            cfg.ttt_decay,
-        )
+            step_hidden, draft.head, torch.cat([t for t, _ in targets]),
+            torch.cat([top for _, top in targets]), masks[:, rows], draft.target_ids(),
+            draft.t2d, draft.vocab_offset, cfg.ttt_decay, self.loss_chunk_rows)
 
     def _distill_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
         """A draft GPT's distillation loss: at every position whose next token is scored,

@@ -28,8 +28,10 @@ def test_positions_outside_the_draft_vocabulary_add_no_loss_but_count(one_proces
     logits[:, 0, 2] = 30.0  # the draft's top-1 is draft id 2 everywhere
     logits.requires_grad_()
     masks = torch.ones(2, n)
-    out = losses.eagle3_loss([logits, logits], base, masks, target_ids, t2d, draft, 0, 0,
-                             vocab, 0.8)
+    target, base_top = losses.eagle3_targets(base[:, 0], target_ids, draft, 0, vocab)
+    # the draft's "hidden states" are its logits (identity head), scored 4 rows at a time
+    out = losses.eagle3_loss([logits, logits], lambda h: h, target, base_top, masks,
+                             target_ids, t2d, 0, 0.8, chunk_rows=4)
     out["loss_sum"].backward()
     assert (logits.grad[[1, 4]] == 0).all() and (logits.grad[[0, 2, 3, 5]] != 0).any()
     assert out["step_count"].tolist() == [6, 6] and out["step_correct"].tolist() == [4, 4]
@@ -71,7 +73,8 @@ def _dense_loss(model, ids, loss_mask, attention_mask):
 
 
 def _check_fast_equals_dense(packed):
-    """This rank's draft gradients and the loss, fast against dense, within 1e-5."""
+    """This rank's draft gradients and the loss, fast against dense, within 1e-5: as built,
+    then lean (the loss's logits 5 positions at a time, the draft layer recomputed)."""
     model, _, _ = _tiny_model(2)
     g = torch.Generator().manual_seed(3)
     b, s = 2, 12
@@ -83,13 +86,16 @@ def _check_fast_equals_dense(packed):
         attention_mask = ((seg[:, :, None] != seg[:, None, :])
                           | torch.ones(s, s, dtype=torch.bool).triu(1))[:, None]
     params = [p for p in model.draft.parameters() if p.requires_grad]
-    fast = model(ids, loss_mask, attention_mask)["loss_sum"]
-    fast_grads = torch.autograd.grad(fast, params)
     dense = _dense_loss(model, ids, loss_mask, attention_mask)
     dense_grads = torch.autograd.grad(dense, params)
-    assert float(fast) > 0 and torch.allclose(fast, dense, rtol=1e-5, atol=1e-5)
-    for name_grad, (a, w) in enumerate(zip(fast_grads, dense_grads)):
-        assert torch.allclose(a, w, rtol=1e-5, atol=1e-5), name_grad
+    for lean in (False, True):
+        model.loss_chunk_rows = 5 if lean else losses.LOSS_CHUNK_ROWS
+        model.draft.recompute = lean
+        fast = model(ids, loss_mask, attention_mask)["loss_sum"]
+        fast_grads = torch.autograd.grad(fast, params)
+        assert float(fast) > 0 and torch.allclose(fast, dense, rtol=1e-5, atol=1e-5), lean
+        for name_grad, (a, w) in enumerate(zip(fast_grads, dense_grads)):
+            assert torch.allclose(a, w, rtol=1e-5, atol=1e-5), (lean, name_grad)
 
 
 @pytest.mark.parametrize("packed", [False, True])

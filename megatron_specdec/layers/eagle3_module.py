@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.identity_op import IdentityOp
@@ -67,6 +68,9 @@ class Eagle3Module(MegatronModule):
             persistent=False,
         )
         self._pads = bool(self._padded_ids.any())  # TP ranks without padded columns skip masking
+        # Megatron's switch for recomputing whole layers: in training-time test each draft
+        # layer then keeps only its inputs and this step's keys/values per unrolled step.
+        self.recompute = config.recompute_granularity == "full"
 
     def target_ids(self) -> Tensor:
         """Target id of every draft id, int64 [draft_vocab_size]."""
@@ -117,8 +121,30 @@ class Eagle3Module(MegatronModule):
         return hidden, self.head(hidden[-1:] if last_only else hidden)
 
     def _layers(self, embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks) -> Tensor:
+        recompute = self.recompute and torch.is_grad_enabled()
         for layer, blocks in zip(self.layers, kv_blocks):
-            hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
+            if recompute:
+                hidden = self._recomputed_layer(layer, embeds, hidden, rotary_pos_emb,
+                                                attention_mask, blocks)
+            else:
+                hidden = layer(hidden, embeds, rotary_pos_emb, attention_mask, blocks)
+        return hidden
+
+    @staticmethod
+    def _recomputed_layer(layer, embeds, hidden, rotary_pos_emb, attention_mask, blocks):
+        """`layer` under activation recomputation. torch's non-reentrant checkpoint, not
+        megatron's reentrant one: this step's keys/values leave the region (later steps
+        attend to them) and the TTT attention's dropout draws from torch's RNG, which it
+        restores for the recompute. The region is pure: earlier blocks come in as inputs and
+        the new block goes out as outputs, so recomputing appends nothing."""
+        def run(hidden, embeds, *flat):
+            own = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+            out = layer(hidden, embeds, rotary_pos_emb, attention_mask, own)
+            return (out, *own[-1])
+
+        flat = [t for block in blocks for t in block]
+        hidden, key, value = checkpoint(run, hidden, embeds, *flat, use_reentrant=False)
+        blocks.append((key, value))
         return hidden
 
     def head(self, hidden: Tensor) -> Tensor:
@@ -126,21 +152,28 @@ class Eagle3Module(MegatronModule):
         logits, _ = self.lm_head(self.final_layernorm(hidden))
         return logits.masked_fill(self._padded_ids, float("-inf")) if self._pads else logits
 
-    def training_time_test(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
-                           base_mask: Optional[Tensor], ttt_steps: int,
-                           rows: Optional[Tensor] = None) -> List[Tensor]:
-        """Draft logits of every unrolled step; step k is fed step k-1's output shifted by one
-        position and attends as `TTTMask` says. With `rows` (indices into the [s*b] positions,
-        s-major) the logits of those positions only, [n, 1, Dp/TP]: the loss reads no others."""
+    def ttt_hidden(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
+                   base_mask: Optional[Tensor], ttt_steps: int,
+                   rows: Optional[Tensor] = None) -> List[Tensor]:
+        """The last draft layer's output of every unrolled step, [s, b, h]; step k is fed step
+        k-1's output shifted by one position and attends as `TTTMask` says. With `rows`
+        (indices into the [s*b] positions, s-major) those positions only, [n, 1, h]: the
+        loss reads no others."""
         hidden = self.project(aux)
         s, b, h = hidden.shape
         kv_blocks = [[] for _ in self.layers]
-        logits = []
+        outs = []
         for k in range(ttt_steps):
             if k:
                 hidden = shift_right(hidden)
             hidden = self._layers(embeds, hidden, rotary_pos_emb, TTTMask(base_mask, k),
                                   kv_blocks)
-            out = hidden if rows is None else hidden.reshape(s * b, 1, h).index_select(0, rows)
-            logits.append(self.head(out))
-        return logits
+            outs.append(hidden if rows is None
+                        else hidden.reshape(s * b, 1, h).index_select(0, rows))
+        return outs
+
+    def training_time_test(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],
+                           base_mask: Optional[Tensor], ttt_steps: int) -> List[Tensor]:
+        """Draft logits [s, b, Dp/TP] of every unrolled step (`ttt_hidden` through `head`)."""
+        return [self.head(h) for h in self.ttt_hidden(aux, embeds, rotary_pos_emb, base_mask,
+                                                       ttt_steps)]

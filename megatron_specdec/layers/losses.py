@@ -6,9 +6,14 @@ draft vocabulary; the draft ids whose targets a rank holds form one contiguous r
 (draft ids are sorted by target id), so a single all-to-all moves every target column to
 the rank that holds the matching draft column. Softmax normalisers and the per-token sums
 are then combined with all-reduces, and the backward pass is the local `q - p`.
+
+EAGLE3's loss also never holds the logits of every scored position: base and draft logits
+are formed LOSS_CHUNK_ROWS positions at a time, and each draft chunk's head and
+cross-entropy are recomputed in the backward pass, so a step keeps only the scored hidden
+states, the fp32 targets and a chunk of logits.
 """
 
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,8 +21,13 @@ from torch import Tensor
 
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from torch.utils.checkpoint import checkpoint
 
 from megatron_specdec.layers.vocab_parallel import vocab_parallel_argmax
+
+# Scored positions whose logits exist at once: [rows, V/TP] base and [rows, D/TP] fp32 draft
+# logits (at an 8B shape 0.25 and 0.13 GB), where all of them would grow with the sequence.
+LOSS_CHUNK_ROWS = 1024
 
 
 def _tp(group=None):
@@ -142,35 +152,56 @@ def chain_masks(loss_mask: Tensor, attention_mask: Optional[Tensor], steps: int)
                         for k in range(steps)])
 
 
-def eagle3_loss(step_logits: List[Tensor], base_logits: Tensor, masks: Tensor,
-                target_ids: Tensor, t2d: Tensor, padded_draft_vocab: int, draft_offset: int,
-                base_offset: int, vocab_size: int, decay: float) -> dict:
-    """Training-time-test loss over the n positions step 0 scores. step_logits[k]: the
-    draft's [n, 1, Dp/TP] at those positions; base_logits: [n, 1, Vp/TP], the base one
-    position later (the draft output at u scores token u+2 against the base at u+1);
-    masks: [steps, n] (`chain_masks` at those positions).
+@torch.no_grad()
+def eagle3_targets(base_logits: Tensor, target_ids: Tensor, padded_draft_vocab: int,
+                   base_offset: int, vocab_size: int) -> Tuple[Tensor, Tensor]:
+    """This rank's base logits [n, Vp/TP] of n scored positions -> (the target distribution
+    over the draft vocabulary, this rank's columns [n, Dp/TP] fp32; the base's top-1 target
+    id [n]). Called on chunks of positions: neither output keeps a full-vocabulary column."""
+    target = target_probs(draft_target_logits(base_logits, target_ids, padded_draft_vocab))
+    padded = torch.arange(base_offset, base_offset + base_logits.shape[1],
+                          device=base_logits.device) >= vocab_size
+    if padded.any():
+        base_logits = base_logits.masked_fill(padded, float("-inf"))
+    return target, vocab_parallel_argmax(base_logits, base_offset)
+
+
+def _head_cross_entropy(head: Callable, hidden: Tensor, target: Tensor, valid: int,
+                        draft_offset: int):
+    """(soft cross-entropy [n], draft top-1 draft id [n]) of hidden states [n, 1, h]."""
+    logits = head(hidden).reshape(hidden.shape[0], -1)
+    ce = soft_cross_entropy(logits, target, valid)
+    with torch.no_grad():
+        return ce, vocab_parallel_argmax(logits, draft_offset)
+
+
+def eagle3_loss(step_hidden: List[Tensor], head: Callable, target: Tensor, base_top: Tensor,
+                masks: Tensor, target_ids: Tensor, t2d: Tensor, draft_offset: int,
+                decay: float, chunk_rows: int = LOSS_CHUNK_ROWS) -> dict:
+    """Training-time-test loss over the n positions step 0 scores. step_hidden[k]: the
+    draft's last hidden states [n, 1, h] at those positions, `head` maps them to this rank's
+    draft logits [n, 1, Dp/TP]; target, base_top: `eagle3_targets` of the base one position
+    later (the draft output at u scores token u+2 against the base at u+1); masks: [steps, n]
+    (`chain_masks` at those positions). The head and cross-entropy run `chunk_rows`
+    positions at a time and are recomputed in backward (only [n, h] states are kept).
 
     As upstream EAGLE-3: a position whose base top-1 token is outside the draft vocabulary
     adds no loss (the draft cannot emit that token) but counts in the accuracy's
     denominator; the loss is normalised by every position step 0 scores.
     """
-    flat = base_logits.reshape(base_logits.shape[0], -1)
-    target = target_probs(draft_target_logits(flat, target_ids, padded_draft_vocab))
-    with torch.no_grad():
-        padded = torch.arange(base_offset, base_offset + flat.shape[1], device=flat.device)
-        base_top = vocab_parallel_argmax(flat.masked_fill(padded >= vocab_size, float("-inf")),
-                                         base_offset)
-        in_vocab = t2d[base_top].float()
+    in_vocab = t2d[base_top].float()
     valid = max(0, min(target.shape[1], target_ids.numel() - draft_offset))
     total = 0.0
     stats = {"step_loss": [], "step_correct": [], "step_count": []}
-    for k, logits in enumerate(step_logits):
-        logits = logits.reshape(logits.shape[0], -1)
-        ce = soft_cross_entropy(logits, target, valid)
+    for k, hidden in enumerate(step_hidden):
+        chunks = [checkpoint(_head_cross_entropy, head, h, p, valid, draft_offset,
+                             use_reentrant=False)
+                  for h, p in zip(hidden.split(chunk_rows), target.split(chunk_rows))]
+        ce = torch.cat([c for c, _ in chunks])
+        draft_top = torch.cat([t for _, t in chunks])
         step_sum = (ce * (masks[k] * in_vocab)).sum()
         total = total + decay ** k * step_sum
         with torch.no_grad():
-            draft_top = vocab_parallel_argmax(logits, draft_offset)
             hit = (target_ids[draft_top] == base_top).float()
         stats["step_loss"].append(step_sum.detach())
         stats["step_correct"].append((hit * masks[k]).sum())
