@@ -49,7 +49,7 @@ def _cli(argv, capsys):
 
 def _train_worker(ckpt, out_file):
     """Load at TP=1 x PP=1, take two optimizer steps, report what changed."""
-    from megatron_specdec.spec_model import forward_backward, reduce_reports
+    from megatron_specdec.training.schedule import forward_backward, reduce_reports
     from megatron_specdec.export import draft_source, eagle3_hf
     from megatron_specdec.speculative import load_speculative
 

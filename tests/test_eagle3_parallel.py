@@ -122,7 +122,7 @@ def hf_draft_tensors(model, grads=True):
 
 def run(algo, hf_draft):
     from megatron_specdec.decoding.embedding import last_stage_embedding
-    from megatron_specdec.spec_model import forward_backward, reduce_reports
+    from megatron_specdec.training.schedule import forward_backward, reduce_reports
 
     model = build(algo, hf_draft)
     reports = forward_backward(model, batches())
@@ -164,7 +164,7 @@ def save_worker(tp, pp, drafts, ckpt_dir, out_file):
 
 def load_worker(tp, pp, ckpt_dir, out_file):
     from megatron_specdec.speculative import load_speculative
-    from megatron_specdec.spec_model import forward_backward, reduce_reports
+    from megatron_specdec.training.schedule import forward_backward, reduce_reports
 
     distributed.initialize(tp, pp)
     reports = {}

@@ -92,7 +92,7 @@ def test_hf_table_uses_the_fastdecoding_layout(one_process):
 ])
 def test_training_moves_only_the_draft(one_process, algo, config):
     from megatron_specdec.speculative import convert
-    from megatron_specdec.spec_model import forward_backward
+    from megatron_specdec.training.schedule import forward_backward
 
     model, hf = _tiny({"medusa_num_heads": 1})
     model = convert(model.base, algo, config, hf_config=hf)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_specdec.distributed import device
+from megatron_specdec.training.schedule import sum_reports
 
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -29,7 +30,7 @@ def step_stats(reports, num_steps: int) -> dict:
     over micro-batches and data-parallel replicas (the last stage's TP rank 0 contributes)."""
     vec = torch.zeros(2 + 3 * num_steps, dtype=torch.float64, device=device())
     if reports and ps.get_tensor_model_parallel_rank() == 0:
-        total = {k: sum(r[k] for r in reports) for k in reports[0]}
+        total = sum_reports(reports)
         vec[0], vec[1] = float(total["loss_sum"]), float(total["num_tokens"])
         for i, key in enumerate(("step_loss", "step_correct", "step_count")):
             vec[2 + i * num_steps: 2 + (i + 1) * num_steps] = total[key].double()

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_specdec import distributed
-from megatron_specdec.layers import aux_capture, losses
 from megatron_specdec.training.batches import STATE_KEYS, model_batch
 from megatron_specdec.training.recipe import offline_dir
 
@@ -42,12 +41,6 @@ def training_dataset(recipe, model, tokenizer):
     directory = offline_dir(recipe)
     dump_states(model, dataset, directory, recipe)
     return StoredStates(dataset, directory / "states")
-
-
-def forward_backward_func(recipe):
-    from megatron_specdec.spec_model import forward_backward
-
-    return forward_backward if recipe.training.mode == "online" else stored_forward_backward
 
 
 def _fingerprint(model, dataset, recipe) -> str:
@@ -150,26 +143,3 @@ class StoredStates(torch.utils.data.Dataset):
                 row[key] = torch.cat([t, t.new_zeros(s - t.shape[0], t.shape[1])])
         return row
 
-
-def _stored_forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    ids = batch["input_ids"]
-    with torch.no_grad():
-        embeds = model.base.embedding(input_ids=ids, position_ids=None)
-    residual = batch["residual"].transpose(0, 1).contiguous()
-    aux = []
-    if "aux" in batch:
-        aux = list(batch["aux"].transpose(0, 1).contiguous().chunk(len(model.aux_layer_ids), -1))
-    state = aux_capture.StageState(residual, embeds if model.carries_embeds else None, aux)
-    out = model.draft_loss(state, ids, batch["loss_mask"], batch.get("attention_mask"))
-    return out, losses.loss_func
-
-
-def stored_forward_backward(model, batches):
-    """`spec_model.forward_backward` for stored states: the draft's loss and backward only."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    b, s = batches[0]["input_ids"].shape
-    return get_forward_backward_func()(
-        forward_step_func=_stored_forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=False)

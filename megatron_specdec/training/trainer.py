@@ -16,7 +16,7 @@ from megatron.core import parallel_state as ps
 from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_trained, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
-                                       offline, optimizer)
+                                       offline, optimizer, schedule)
 from megatron_specdec.training.batches import step_batches
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
@@ -83,7 +83,7 @@ def train(recipe) -> dict:
                                                      "base_model": recipe.model.path,
                                                      "base": base})
     reporter = metrics.Reporter(recipe, state.step)
-    forward_backward = offline.forward_backward_func(recipe)
+    forward_backward = schedule.forward_backward_func(recipe)
     total = recipe.training.steps
     interval = recipe.checkpointing.interval
     start_time, start_step, last = time.time(), state.step, {}
