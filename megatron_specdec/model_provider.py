@@ -92,11 +92,11 @@ def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_
         raise ValueError(
             f"padded vocabulary {padding['vocab_size']} cannot be split over tensor_parallel={tp}"
         )
+    impl = resolve_transformer_impl(transformer_impl)
     config = families.transformer_config(
         hf_config, tp=tp, pp=pp, dtype=dtype, num_query_groups=padding["query_groups"],
-        **config_overrides,
+        transformer_impl=impl, **config_overrides,
     )
-    impl = resolve_transformer_impl(transformer_impl)
     rope = families.rope_settings(hf_config)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):

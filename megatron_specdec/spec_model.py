@@ -18,6 +18,7 @@ from torch import Tensor
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_specdec.data.dataset import packed_seq_params_of_mask
 from megatron_specdec.layers import aux_capture, losses
 from megatron_specdec.layers.vocab_parallel import vocab_parallel_gather
 
@@ -73,7 +74,7 @@ class SpeculativeGPTModel(MegatronModule):
     def run_base(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None):
         """This stage of the frozen base. Returns the StageState after its layers."""
         base = self.base
-        s = input_ids.shape[1]
+        b, s = input_ids.shape
         if self.pre_process:
             with torch.no_grad():
                 embeds = base.embedding(input_ids=input_ids, position_ids=None)
@@ -86,9 +87,26 @@ class SpeculativeGPTModel(MegatronModule):
                 self.input_tensor, self.carries_embeds, len(self.aux_layer_ids),
                 [i < first for i in self.aux_layer_ids],
             )
-        return aux_capture.run_layers(
-            base.decoder.layers, state, self.aux_layer_ids, attention_mask, self.rotary_pos_emb(s)
-        )
+        rotary = self.rotary_pos_emb(s)
+        if attention_mask is None or self.config.transformer_impl != "transformer_engine":
+            return aux_capture.run_layers(base.decoder.layers, state, self.aux_layer_ids,
+                                          attention_mask, rotary)
+        # Transformer Engine's layers are declared causal and ignore an explicit mask: packed
+        # rows go as megatron's THD format, the batch one sequence of b*s tokens [b*s, 1, h]
+        # with cu_seqlens, and come back to [s, b, h] for the stage tensor and the draft.
+        packed = packed_seq_params_of_mask(attention_mask.expand(b, -1, -1, -1))
+
+        def thd(t):
+            return None if t is None else t.transpose(0, 1).reshape(b * s, 1, -1)
+
+        def sbh(t):
+            return None if t is None else t.reshape(b, s, -1).transpose(0, 1)
+
+        out = aux_capture.run_layers(
+            base.decoder.layers,
+            aux_capture.StageState(thd(state.residual), state.embeds, [thd(a) for a in state.aux]),
+            self.aux_layer_ids, None, rotary, packed)
+        return aux_capture.StageState(sbh(out.residual), out.embeds, [sbh(a) for a in out.aux])
 
     @torch.no_grad()
     def base_head(self, residual: Tensor):

@@ -11,6 +11,7 @@ from megatron_specdec.data import (
     load_tokenizer,
     packed_attention_mask,
     packed_seq_params,
+    packed_seq_params_of_mask,
 )
 
 PAD = 0
@@ -199,4 +200,13 @@ def test_packed_seq_params_equal_the_packed_mask_on_packed_rows():
     allowed = _thd_allowed(packed_seq_params(seg).cu_seqlens_q, seg.numel())
     local = (~packed_attention_mask(seg)[:, 0]).int()
     assert torch.equal(allowed.int(), torch.block_diag(*local))
+    # what the training forward hands TE's layers, read back from the mask it is given
+    of_mask = packed_seq_params_of_mask(packed_attention_mask(seg))
+    assert torch.equal(of_mask.cu_seqlens_q, packed_seq_params(seg).cu_seqlens_q)
+
+
+def test_packed_seq_params_of_another_mask_are_refused():
+    sees_all = torch.zeros(1, 1, 4, 4, dtype=torch.bool)  # True = may not attend: not causal
+    with pytest.raises(ValueError, match="attention_mask: .*causal block-diagonal"):
+        packed_seq_params_of_mask(sees_all)
 

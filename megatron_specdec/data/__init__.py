@@ -11,7 +11,7 @@ from megatron_specdec.data.conversations import (
     validate_messages,
 )
 from megatron_specdec.data.dataset import (BatchIterator, ConversationDataset, packed_attention_mask,
-                                           packed_seq_params)
+                                           packed_seq_params, packed_seq_params_of_mask)
 from megatron_specdec.data.draft_vocab import DraftVocab, build_draft_vocab, calibrate, count_tokens
 from megatron_specdec.data.jsonl import DataError
 from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
@@ -33,6 +33,7 @@ __all__ = [
     "load_tokenizer",
     "packed_attention_mask",
     "packed_seq_params",
+    "packed_seq_params_of_mask",
     "read_conversations",
     "read_source",
     "read_sources",

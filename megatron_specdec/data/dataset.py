@@ -133,6 +133,23 @@ def packed_seq_params(segment_ids: torch.Tensor):
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
+def packed_seq_params_of_mask(attention_mask: torch.Tensor):
+    """`packed_seq_params` of the rows a `packed_attention_mask` [b, 1, s, s] describes (a
+    sequence starts where a position may not see the one before). Any other mask is refused:
+    Transformer Engine's layers would apply their own causal mask instead of it."""
+    b, _, s, _ = attention_mask.shape
+    u = torch.arange(1, s, device=attention_mask.device)
+    starts = torch.ones(b, s, dtype=torch.long, device=attention_mask.device)
+    starts[:, 1:] = attention_mask[:, 0, u, u - 1].long()
+    segment_ids = starts.cumsum(-1)
+    if not torch.equal(packed_attention_mask(segment_ids), attention_mask):
+        raise ValueError(
+            "attention_mask: Transformer Engine base layers take packed sequences "
+            "(PackedSeqParams) only; expected a causal block-diagonal mask as "
+            "packed_attention_mask builds, got another [b, 1, s, s] mask")
+    return packed_seq_params(segment_ids)
+
+
 class BatchIterator:
     """Endless stream of micro-batches [micro_batch_size, seq_length] over `dataset`.
 

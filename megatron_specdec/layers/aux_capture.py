@@ -50,15 +50,16 @@ def num_slots(carries_embeds: bool, num_aux: int) -> int:
 
 
 def run_layers(layers, state: StageState, aux_layer_ids: List[int], attention_mask,
-               rotary_pos_emb) -> StageState:
+               rotary_pos_emb, packed_seq_params=None) -> StageState:
     """Run this stage's base layers (global ids from `layer.layer_number`), storing the
-    output of each layer named in `aux_layer_ids` (0-based output-of-layer convention)."""
+    output of each layer named in `aux_layer_ids` (0-based output-of-layer convention).
+    `packed_seq_params` goes to every layer as megatron passes it (THD states)."""
     residual = state.residual
     aux = list(state.aux)
     with torch.no_grad():
         for layer in layers:
             residual, _ = layer(hidden_states=residual, attention_mask=attention_mask,
-                                rotary_pos_emb=rotary_pos_emb)
+                                rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params)
             for slot, layer_id in enumerate(aux_layer_ids):
                 if layer_id == layer.layer_number - 1:
                     aux[slot] = residual
