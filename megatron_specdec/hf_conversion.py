@@ -3,8 +3,8 @@
 Both directions stream: no process holds a second copy of the model. Import: every rank of a
 TP x PP group builds its shard and fills it one HF tensor at a time (merged, sliced, copied,
 dropped), then the group saves one dist checkpoint. Export: one process reads the dist
-checkpoint (any saved layout) one layer at a time and appends it to one safetensors file
-that `transformers` loads.
+checkpoint (any saved layout) one tensor at a time and appends it to safetensors files
+(sharded under a size limit, with an index) that `transformers` loads.
 """
 
 import logging
@@ -18,6 +18,9 @@ from megatron_specdec.model_provider import build_model, resolve_transformer_imp
 from megatron_specdec.weights import files, llama, mapping
 
 log = logging.getLogger(__name__)
+
+# Exported base weights are split into files of at most this size, as transformers does.
+DEFAULT_MAX_SHARD_MB = 5 * 1024
 
 
 def read_hf_config(hf_dir):
@@ -154,26 +157,26 @@ def hf_config_for_export(config, dtype_name):
     return config
 
 
-def megatron_to_hf(ckpt_dir, out_dir, overwrite=False):
-    """Export the base model of a dist checkpoint to an HF directory (config + safetensors),
-    streamed: one layer's tensors are read, split and written at a time."""
+def megatron_to_hf(ckpt_dir, out_dir, overwrite=False, max_shard_mb=DEFAULT_MAX_SHARD_MB,
+                   index=False):
+    """Export the base model of a dist checkpoint to an HF directory (config, safetensors,
+    tokenizer), streamed: one Megatron tensor (one layer's) is read, split and written at a
+    time, so peak memory is about the largest tensor. Files of at most `max_shard_mb` (None:
+    one file) with an index when there are several; `index`: write the index for one file too
+    (the EAGLE reference runtime finds the base embedding through it)."""
     checkpoint.check_output_dir(out_dir, overwrite)
     meta = checkpoint.read_meta(ckpt_dir)
     config = checkpoint.hf_config_from_meta(meta)
-    source = files.CheckpointTensors(ckpt_dir)
-    rules, n = weight_rules(config), config.num_hidden_layers
-    geo = mapping.Geometry.from_hf(config, meta["padding"])
-    groups = [(None,)] + [(i,) for i in range(n)]  # the non-layer tensors, then layer by layer
-    names = {g: [meg for _, at, meg, _ in mapping.expand_rules(rules, n)
-                 if at in g and meg in source] for g in groups}
-    specs = [(name, t.shape, t.dtype) for g in groups for name, t in mapping.split_tensors(
-        rules, {m: source.meta(m) for m in names[g]}, geo, n, g)]
-    stream = (item for g in groups
-              for item in mapping.split_tensors(rules, source.load(names[g]), geo, n, g))
+    n = config.num_hidden_layers
+    specs, stream = mapping.split_stream(
+        weight_rules(config), files.CheckpointTensors(ckpt_dir),
+        mapping.Geometry.from_hf(config, meta["padding"]), n,
+        groups=[(None,)] + [(i,) for i in range(n)])  # non-layer tensors, then layer by layer
+    limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
     tmp = checkpoint.atomic_dir(out_dir)
     try:
         hf_config_for_export(config, meta["dtype"]).save_pretrained(tmp)
-        files.write_safetensors(tmp / files.HF_WEIGHTS, specs, stream, metadata={"format": "pt"})
+        files.write_sharded(tmp, specs, stream, limit, index=index, metadata={"format": "pt"})
         checkpoint.copy_tokenizer(Path(ckpt_dir) / checkpoint.TOKENIZER_DIR, tmp)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:

@@ -7,6 +7,7 @@ The base has 3 query groups (padded to 4 at TP=2) and a 500-token vocabulary (pa
 the EAGLE3 draft vocabulary is 300 ids (padded to 384) with a non-identity d2t.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -67,11 +68,6 @@ def _build(name):
     return model
 
 
-def strip_meta(meta):
-    drop = ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel", "draft")
-    return {k: v for k, v in meta.items() if k not in drop}
-
-
 def make_checkpoints(root, names, layouts):
     """Save `names` at the first layout from seeded weights, then load and re-save them at
     each later layout; also a base-only checkpoint `base`."""
@@ -90,7 +86,7 @@ def make_checkpoints(root, names, layouts):
         distributed.initialize(tp, pp)
         for name in names:
             model, _, meta = load_speculative(f"{root}/{name}_{first}")
-            save_speculative(model, f"{root}/{name}_{layout}", strip_meta(meta))
+            save_speculative(model, f"{root}/{name}_{layout}", checkpoint.base_meta_of(meta))
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +279,8 @@ def test_unmapped_draft_tensor_is_an_error(ckpts):
     from megatron_specdec.weights.mapping import WeightMappingError
 
     source = draft_source.read_draft(ckpts / "eagle3_tp1", "eagle3")
-    source.tensors["layers.0.self_attention.linear_qkv.bias"] = torch.zeros(128)
+    extra = {"layers.0.self_attention.linear_qkv.bias": torch.zeros(128)}
+    source = dataclasses.replace(source, tensors=dict(source.tensors, **extra))
     with pytest.raises(WeightMappingError, match="linear_qkv.bias have no HF name"):
         eagle3_hf.hf_tensors(source)
 
@@ -320,3 +317,24 @@ def test_sharded_export_holds_the_same_tensors(ckpts, exported, tmp_path):
     single_config, single = _read(exported["eagle3", "tp1"])
     assert config == single_config and sharded.keys() == single.keys()
     assert all(torch.equal(sharded[k], single[k]) for k in single)
+
+
+@pytest.mark.parametrize("name", ["eagle3_2layers", "medusa"])
+def test_draft_export_holds_one_checkpoint_tensor_at_a_time(ckpts, exported, tmp_path,
+                                                            monkeypatch, name):
+    """Each draft tensor is read on its own and released before the next is read (the earlier
+    export read the whole draft in one load), and the files are the same bytes."""
+    from checkpoint_reads import LiveLoads
+
+    from megatron_specdec.export.eagle3_hf import export_eagle3
+    from megatron_specdec.export.medusa_hf import export_medusa
+    from megatron_specdec.weights import files
+
+    export = export_medusa if name == "medusa" else export_eagle3
+    loads = LiveLoads(monkeypatch)
+    out = export(ckpts / f"{name}_tp2", tmp_path / name)
+    prefix = DRAFTS[name][0] + "."
+    assert loads.loaded == len(files.CheckpointTensors(ckpts / f"{name}_tp2", prefix))
+    assert loads.peak == 1 and loads.live == 0
+    for f in sorted(p.name for p in exported[name, "tp2"].iterdir()):
+        assert (out / f).read_bytes() == (exported[name, "tp2"] / f).read_bytes(), f

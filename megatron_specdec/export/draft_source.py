@@ -1,13 +1,15 @@
-"""The draft module of a speculative checkpoint as global tensors, read in one process.
+"""The draft module of a speculative checkpoint as global tensors, read one at a time.
 
-dist_checkpointing gathers the TP shards and PP stages of any saved layout, so exporters never
-reshard to TP=1 first. Only the draft's keys are read (the base can be gigabytes).
+torch.distributed.checkpoint gathers the TP shards and PP stages of any saved layout, so
+exporters never reshard to TP=1 first. Only the draft's keys are read (the base can be
+gigabytes), and only when the writer asks for them: an export holds one draft tensor and its
+HF pieces at a time.
 """
 
 from dataclasses import dataclass
 
 from megatron_specdec import checkpoint, spec_config
-from megatron_specdec.weights import mapping
+from megatron_specdec.weights import files, mapping
 
 
 @dataclass
@@ -15,7 +17,7 @@ class DraftSource:
     meta: dict
     hf_config: object  # the base's transformers config
     cfg: object  # spec_config.Eagle3Config or MedusaConfig
-    tensors: dict  # global tensors, names relative to the draft module (no `eagle3.` prefix)
+    tensors: object  # files.CheckpointTensors: global tensors by name relative to the module
 
 
 def draft_meta(ckpt_dir) -> dict:
@@ -28,8 +30,8 @@ def draft_meta(ckpt_dir) -> dict:
 
 
 def read_draft(ckpt_dir, algo: str) -> DraftSource:
-    """The `algo` draft of a speculative or training checkpoint; a clear error for anything
-    else."""
+    """The `algo` draft of a speculative or training checkpoint (its tensors read lazily); a
+    clear error for anything else."""
     meta = draft_meta(ckpt_dir)
     if "draft" not in meta:
         raise checkpoint.CheckpointError(
@@ -39,26 +41,19 @@ def read_draft(ckpt_dir, algo: str) -> DraftSource:
     if cfg.algo != algo:
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} holds a {cfg.algo} draft module, not {algo}")
-    tensors = checkpoint.load_plain_tensors(ckpt_dir, prefix=f"{algo}.")
+    tensors = files.CheckpointTensors(ckpt_dir, prefix=f"{algo}.")
     return DraftSource(meta, checkpoint.hf_config_from_meta(meta), cfg, tensors)
 
 
-def to_hf(rules, tensors: dict, geo, num_layers: int) -> dict:
-    """Draft tensors -> HF tensors through the draft weight table; a checkpoint tensor that no
-    rule consumes (a table gap, e.g. a bias the family adds) is an error, never dropped."""
+def hf_stream(rules, source: DraftSource, geo, num_layers: int, dtype_name=None):
+    """(specs, stream) of the draft's HF tensors (mapping.split_stream), floating ones cast to
+    `dtype_name` (None: as saved; d2t/t2d keep their integer types). A checkpoint tensor that
+    no rule consumes (a table gap, e.g. a bias the family adds) is an error, never dropped."""
     consumed = {meg for _, _, meg, _ in mapping.expand_rules(rules, num_layers)}
-    unmapped = sorted(set(tensors) - consumed)
+    unmapped = sorted(set(source.tensors) - consumed)
     if unmapped:
         raise mapping.WeightMappingError(
             f"draft tensor(s) {', '.join(unmapped)} have no HF name in the weight table; "
             f"exporting would drop them")
-    return {k: v.contiguous() for k, v in
-            mapping.megatron_to_hf(rules, tensors, geo, num_layers).items()}
-
-
-def cast(hf_state: dict, dtype_name) -> dict:
-    """Floating tensors to `dtype_name` (None: as saved); d2t/t2d keep their integer types."""
-    if dtype_name is None:
-        return hf_state
-    dtype = checkpoint.dtype_from_name(dtype_name)
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_state.items()}
+    dtype = None if dtype_name is None else checkpoint.dtype_from_name(dtype_name)
+    return mapping.split_stream(rules, source.tensors, geo, num_layers, dtype=dtype)

@@ -14,15 +14,15 @@ from pathlib import Path
 
 from megatron_specdec import checkpoint, families
 from megatron_specdec.export import draft_source
-from megatron_specdec.weights import eagle3
+from megatron_specdec.weights import eagle3, files
 # The layout's names and shapes live with its weight table; tests read them from here too.
 from megatron_specdec.weights.eagle3 import layer_prefix, tensor_shapes  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+WEIGHTS = files.HF_WEIGHTS
+INDEX = files.HF_INDEX
 CONFIG = "config.json"
 
 
@@ -80,55 +80,48 @@ def hf_config(base, cfg, dtype_name: str) -> dict:
     return config
 
 
-def hf_tensors(source: draft_source.DraftSource) -> dict:
+def hf_stream(source: draft_source.DraftSource, dtype_name=None):
+    """(specs, stream) of the draft's HF tensors, read one checkpoint tensor at a time."""
     cfg = source.cfg
     geo = eagle3.geometry(source.hf_config, source.meta["padding"], cfg)
-    return draft_source.to_hf(eagle3.rules(cfg), source.tensors, geo, cfg.eagle_num_layers)
+    return draft_source.hf_stream(eagle3.rules(cfg), source, geo, cfg.eagle_num_layers,
+                                  dtype_name)
+
+
+def hf_tensors(source: draft_source.DraftSource) -> dict:
+    """All of the draft's HF tensors in memory (tests and small drafts)."""
+    return dict(hf_stream(source)[1])
 
 
 def write(directory, config: dict, tensors: dict, max_shard_mb=None):
-    """config.json and model.safetensors into an existing directory (byte-reproducible); with
-    `max_shard_mb`, files of at most that size (tensors in name order) and the index HF
-    readers and the engines follow, when one file would be larger."""
-    from safetensors.torch import save_file
+    """config.json and the weights of a draft held in memory (a dict) into an existing
+    directory: see `write_stream`."""
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    write_stream(directory, config, specs, iter(tensors.items()), max_shard_mb)
 
+
+def write_stream(directory, config: dict, specs, stream, max_shard_mb=None):
+    """config.json and model.safetensors (byte-reproducible) into an existing directory, one
+    tensor at a time; with `max_shard_mb`, files of at most that size (tensors in `specs`
+    order) and the index HF readers and the engines follow, when one file would be larger."""
     directory = Path(directory)
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    total = sum(sizes.values())
     limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
-    if limit is None or total <= limit:
-        save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-        return
-    shards, current, filled = [], {}, 0
-    for name in sorted(tensors):
-        if current and filled + sizes[name] > limit:
-            shards.append(current)
-            current, filled = {}, 0
-        current[name] = tensors[name]
-        filled += sizes[name]
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-    index = {"metadata": {"total_size": total},
-             "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    files.write_sharded(directory, specs, stream, limit, WEIGHTS, metadata={"format": "pt"})
 
 
 def export_eagle3(ckpt_dir, out_dir, dtype=None, overwrite=False, max_shard_mb=None):
     """Write the EAGLE3 draft of a speculative or training checkpoint (any saved TP/PP) as an
-    HF draft directory. `dtype`: float32 | bfloat16 | float16 (default: as trained);
-    `max_shard_mb`: see `write`. Nothing is written unless every tensor maps."""
+    HF draft directory, one tensor at a time. `dtype`: float32 | bfloat16 | float16 (default:
+    as trained); `max_shard_mb`: see `write_stream`. Nothing is written unless every tensor
+    maps."""
     checkpoint.check_output_dir(out_dir, overwrite)
     source = draft_source.read_draft(ckpt_dir, "eagle3")
-    tensors = draft_source.cast(hf_tensors(source), dtype)
+    specs, stream = hf_stream(source, dtype)
     config = hf_config(source.hf_config, source.cfg, dtype or source.meta["dtype"])
     tmp = checkpoint.atomic_dir(out_dir)
     try:
-        write(tmp, config, tensors, max_shard_mb)
+        write_stream(tmp, config, specs, stream, max_shard_mb)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():

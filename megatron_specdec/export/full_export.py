@@ -1,6 +1,6 @@
 """Base model + draft module in one directory an engine can be pointed at:
 
-    out/base/     the base model (hf_conversion.megatron_to_hf) plus model.safetensors.index.json
+    out/base/     the base model (hf_conversion.megatron_to_hf) with model.safetensors.index.json
     out/eagle3/   or out/medusa/: the draft (eagle3_hf / medusa_hf)
 
 e.g. `vllm serve out/base --speculative-config '{"method": "eagle3", "model": "out/eagle3"}'`,
@@ -8,34 +8,14 @@ e.g. `vllm serve out/base --speculative-config '{"method": "eagle3", "model": "o
 because the EAGLE reference runtime finds the base embedding through it.
 """
 
-import json
 import shutil
 from pathlib import Path
 
 from megatron_specdec import checkpoint, hf_conversion
 from megatron_specdec.export import eagle3_hf, medusa_hf
-from megatron_specdec.weights import files
 
 BASE_DIR = "base"
 _EXPORTERS = {"eagle3": eagle3_hf.export_eagle3, "medusa": medusa_hf.export_medusa}
-
-
-def write_index(hf_dir):
-    """model.safetensors.index.json over the single weights file megatron_to_hf writes."""
-    from safetensors import safe_open
-
-    hf_dir = Path(hf_dir)
-    weight_map, total = {}, 0
-    with safe_open(str(hf_dir / files.HF_WEIGHTS), framework="pt") as f:
-        for name in f.keys():
-            weight_map[name] = files.HF_WEIGHTS
-            sl = f.get_slice(name)
-            numel = 1
-            for d in sl.get_shape():
-                numel *= d
-            total += numel * {"F32": 4, "BF16": 2, "F16": 2}.get(sl.get_dtype(), 8)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (hf_dir / files.HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def export_full(ckpt_dir, out_dir, overwrite=False):
@@ -52,8 +32,7 @@ def export_full(ckpt_dir, out_dir, overwrite=False):
     tmp = checkpoint.atomic_dir(out_dir)
     try:
         _EXPORTERS[algo](ckpt_dir, tmp / algo)
-        hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR)
-        write_index(tmp / BASE_DIR)
+        hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR, index=True)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():

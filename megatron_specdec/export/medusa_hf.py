@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_specdec import checkpoint
 from megatron_specdec.export import draft_source
-from megatron_specdec.weights import mapping, medusa
+from megatron_specdec.weights import files, mapping, medusa
 
 WEIGHTS = "medusa_lm_head.safetensors"
 CONFIG = "config.json"
@@ -43,20 +43,19 @@ def tensor_shapes(config: dict) -> dict:
 
 def export_medusa(ckpt_dir, out_dir, dtype=None, overwrite=False):
     """Write the Medusa heads of a speculative checkpoint (any saved TP/PP) in the
-    FasterDecoding layout; nothing is written unless every tensor maps."""
-    from safetensors.torch import save_file
-
+    FasterDecoding layout, one tensor at a time; nothing is written unless every tensor
+    maps."""
     checkpoint.check_output_dir(out_dir, overwrite)
     source = draft_source.read_draft(ckpt_dir, "medusa")
     cfg = source.cfg
     geo = mapping.Geometry.from_hf(source.hf_config, source.meta["padding"])
-    tensors = draft_source.cast(
-        draft_source.to_hf(medusa.rules(cfg), source.tensors, geo, cfg.medusa_num_heads), dtype)
+    specs, stream = draft_source.hf_stream(medusa.rules(cfg), source, geo, cfg.medusa_num_heads,
+                                           dtype)
     config = hf_config(source.hf_config, cfg, dtype or source.meta["dtype"])
     tmp = checkpoint.atomic_dir(out_dir)
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        files.write_sharded(tmp, specs, stream, weights_name=WEIGHTS, metadata={"format": "pt"})
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:
         if tmp.exists():

@@ -1,8 +1,10 @@
 """Weights read and written one tensor at a time, so conversion never holds a second copy of
-a model: an HF safetensors directory read lazily, a dist checkpoint read a few tensors (one
-layer) per call, and a safetensors file written from a stream whose header is known first.
+a model: an HF safetensors directory read lazily, a dist checkpoint read one tensor (or one
+layer of a stacked one) per call, and safetensors files (sharded under a size limit, with an
+index) written from a stream whose headers are known first.
 """
 
+import itertools
 import json
 import struct
 from collections.abc import Mapping
@@ -88,26 +90,28 @@ class HFTensors(Mapping):
         return shapes
 
 
-class CheckpointTensors:
-    """Global tensors of a dist checkpoint (any saved TP/PP layout) under per-layer names
-    (`decoder.layers.{i}.x`, which the checkpoint stores stacked as `decoder.layers.x`), read
-    a few at a time: `load` reads only the stored chunks that overlap the layers asked for.
-    Read with torch.distributed.checkpoint directly (no process group): megatron's loader
-    cannot read part of a stacked tensor in a one-process world."""
+class CheckpointTensors(Mapping):
+    """Global tensors of a dist checkpoint (any saved TP/PP layout) by name, each read when
+    asked for: `load` reads only the stored chunks that overlap the tensors (or layers) asked
+    for, `meta` reads nothing. Per-layer names (`decoder.layers.{i}.x`) address the layers the
+    checkpoint stores stacked as `decoder.layers.x`. With `prefix`, only keys under it, named
+    without it (a draft module's `eagle3.`). Read with torch.distributed.checkpoint directly
+    (no process group): megatron's loader cannot read part of a stacked tensor in a
+    one-process world."""
 
-    def __init__(self, ckpt_dir):
+    def __init__(self, ckpt_dir, prefix: str = ""):
         from torch.distributed.checkpoint import FileSystemReader
 
         from megatron_specdec import checkpoint
 
         checkpoint.read_meta(ckpt_dir)  # complete, and its pickled metadata vetted
-        self._dir = str(ckpt_dir)
-        self._stored = {k: md for k, md in
+        self._dir, self._prefix = str(ckpt_dir), prefix
+        self._stored = {k[len(prefix):]: md for k, md in
                         FileSystemReader(self._dir).read_metadata().state_dict_metadata.items()
-                        if hasattr(md, "chunks")}  # tensors only
+                        if hasattr(md, "chunks") and k.startswith(prefix)}  # tensors only
 
     def _stored_name(self, name):
-        """(checkpoint key, layer index or None) of a per-layer name."""
+        """(stored key without the prefix, layer index or None) of a per-layer name."""
         if name.startswith(_LAYERS):
             layer, rest = name[len(_LAYERS):].split(".", 1)
             return _LAYERS + rest, int(layer)
@@ -116,6 +120,19 @@ class CheckpointTensors:
     def __contains__(self, name):
         key, layer = self._stored_name(name)
         return key in self._stored and (layer is None or layer < self._stored[key].size[0])
+
+    def __iter__(self):
+        for key, md in self._stored.items():
+            if key.startswith(_LAYERS):
+                yield from (f"{_LAYERS}{i}.{key[len(_LAYERS):]}" for i in range(md.size[0]))
+            else:
+                yield key
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+    def __getitem__(self, name):
+        return self.load([name])[name]
 
     def meta(self, name) -> torch.Tensor:
         """A meta-device tensor with the stored shape and dtype (nothing read)."""
@@ -131,12 +148,12 @@ class CheckpointTensors:
         regions = {}
         for name in names:
             if name not in self:
-                raise KeyError(f"{self._dir}: no tensor {name!r} in the checkpoint")
+                raise KeyError(f"{self._dir}: no tensor {self._prefix + name!r} in the checkpoint")
             key, layer = self._stored_name(name)
             meta = self.meta(name)
             buf = torch.empty((1,) * (layer is not None) + tuple(meta.shape), dtype=meta.dtype)
             offsets = (layer or 0,) * (layer is not None) + (0,) * meta.dim()
-            regions[name] = (key, offsets, buf)
+            regions[name] = (self._prefix + key, offsets, buf)
         load({}, storage_reader=FileSystemReader(self._dir), planner=_RegionPlanner(regions),
              no_dist=True)
         return {name: buf[0] if self._stored_name(name)[1] is not None else buf
@@ -168,13 +185,17 @@ class _RegionPlanner(DefaultLoadPlanner):
         return self.transform_tensor(read_item, self._targets[(index.fqn, tuple(index.offset))])
 
 
+def _nbytes(shape, dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def write_safetensors(path, specs, tensors, metadata=None):
     """Write a safetensors file from `tensors`, an iterable of (name, tensor) produced one at a
     time in the order of `specs` [(name, shape, dtype)], which fixes the header first; a
     tensor that differs from its spec is an error naming it."""
     header, offset = {}, 0
     for name, shape, dtype in specs:
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = _nbytes(shape, dtype)
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
@@ -182,15 +203,51 @@ def write_safetensors(path, specs, tensors, metadata=None):
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    written = 0
+    tensors, written = iter(tensors), 0
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for (name, shape, dtype), (got, tensor) in zip(specs, tensors):
+        for name, shape, dtype in specs:
+            # Unpacked by hand: zip would keep the last pair alive while the next is read.
+            got, tensor = next(tensors, (None, None))
+            if tensor is None:
+                break
             if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                 raise ValueError(f"{path}: tensor {got!r} {tuple(tensor.shape)} {tensor.dtype} "
                                  f"does not match the header's {name!r} {tuple(shape)} {dtype}")
             f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             written += 1
+            del tensor  # not alive while the next one is read
     if written != len(specs):
         raise ValueError(f"{path}: {written} tensors written, the header lists {len(specs)}")
+
+
+def write_sharded(directory, specs, tensors, max_shard_bytes=None, weights_name=HF_WEIGHTS,
+                  index=False, metadata=None):
+    """Write the stream `tensors` ((name, tensor) in the order of `specs` [(name, shape,
+    dtype)]) into `directory`, one tensor at a time: one file `weights_name` when the total
+    fits `max_shard_bytes` (None: no limit), else `model-0000i-of-0000n.safetensors` files of
+    at most that size each (a larger tensor gets a file to itself), in `specs` order, and the
+    index (HF_INDEX) HF readers and the engines follow; `index`: write it for one file too."""
+    directory = Path(directory)
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in specs]
+    shards, current, filled = [], [], 0
+    for spec, size in zip(specs, sizes):
+        if max_shard_bytes is not None and current and filled + size > max_shard_bytes:
+            shards.append(current)
+            current, filled = [], 0
+        current.append(spec)
+        filled += size
+    shards.append(current)
+    names = ([weights_name] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    stream = iter(tensors)
+    for shard, name in zip(shards, names):
+        write_safetensors(directory / name, shard, itertools.islice(stream, len(shard)), metadata)
+    extra = next(stream, None)
+    if extra is not None:
+        raise ValueError(f"{directory}: tensor {extra[0]!r} is not in the header")
+    if len(shards) > 1 or index:
+        weight_map = {spec[0]: name for shard, name in zip(shards, names) for spec in shard}
+        record = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (directory / HF_INDEX).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

@@ -6,6 +6,7 @@ parallel split dimension. Layouts follow Megatron-Bridge: QKV interleaved per qu
 `[q heads of group g, k_g, v_g]`, fc1 = `[gate; up]`, vocabulary padded for TP.
 """
 
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -245,6 +246,44 @@ def split_tensors(rules, meg_state, geo: Geometry, num_layers: int, layers=None)
                 continue
             raise WeightMappingError(f"missing tensor {meg_name!r} in the Megatron checkpoint")
         yield from zip(hf_names, split(rule, meg_state[meg_name], geo))
+
+
+class _Metas(Mapping):
+    """The meta tensors (shape and dtype, nothing read) of a source with `meta(name)`."""
+
+    def __init__(self, source):
+        self._source = source
+
+    def __getitem__(self, name):
+        return self._source.meta(name)
+
+    def __contains__(self, name):
+        return name in self._source
+
+    def __iter__(self):
+        return iter(self._source)
+
+    def __len__(self):
+        return len(self._source)
+
+
+def split_stream(rules, source, geo: Geometry, num_layers: int, groups=(None,), dtype=None):
+    """(specs [(HF name, shape, dtype)], stream of (HF name, tensor)) of the global Megatron
+    tensors in `source`, a Mapping that reads one tensor per item and tells its shape and
+    dtype by `meta(name)` (files.CheckpointTensors): the specs come first, from the metadata
+    alone, and the stream reads one Megatron tensor at a time, so a writer holds one tensor
+    and its HF pieces. `groups`: the `layers` of `split_tensors`, in write order (None: all);
+    `dtype`: floating tensors cast to it (None: as stored)."""
+    def cast(t):
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    def pieces(state):
+        return itertools.chain.from_iterable(
+            split_tensors(rules, state, geo, num_layers, layers) for layers in groups)
+
+    specs = [(name, tuple(t.shape), cast(t).dtype) for name, t in pieces(_Metas(source))]
+    # starmap keeps no reference to a piece once handed out (a generator's loop variable would)
+    return specs, itertools.starmap(lambda name, t: (name, cast(t)), pieces(source))
 
 
 def megatron_to_hf(rules, meg_state: dict, geo: Geometry, num_layers: int) -> dict:
