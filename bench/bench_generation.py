@@ -372,7 +372,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
     speculative (the draft module, n-gram); seeded per prompt, outputs differ by design."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.metrics import acceptance_summary
-    from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.decoding.sampling import Sampling, TypicalAcceptance
     from megatron_specdec.generation import plain_generate
 
     if not args.temperature:
@@ -382,6 +382,9 @@ def sampling_speed(model, hf_model, prompts, eos, args):
                   "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
     generators.update({f"project {name} speculative": g for name, g in
                        draft_model_generators(args, model, {"adaptive": "adaptive"}).items()})
+    if model.algo == "medusa":  # the lossy option beside the lossless ones
+        generators["project medusa typical acceptance"] = SpeculativeGenerator(
+            model, typical=TypicalAcceptance())
     stats = {name: [0.0, 0, []] for name in
              ["transformers sampling", "project plain sampling", *generators]}
     for i, (_, ids) in enumerate(prompts):

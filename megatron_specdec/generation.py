@@ -61,8 +61,8 @@ class StageRunner:
         Row b's tokens go to its next slots and, by default, take RoPE position = slot and
         attend causally. `counts` [b]: only the last counts[b] tokens of row b are real (a
         left-padded chunk, layers.decode_attention.DecodeCache), so the final position holds
-        every row's newest real token. A draft tree (batch 1) passes its own `positions` [s]
-        and `attention_mask` [1, 1, s, length + s] (True = may not attend)."""
+        every row's newest real token. Draft trees pass their own `positions` [b, s] and
+        `attention_mask` [b, 1, s, max length + s] (True = may not attend; tree.verify_layout)."""
         b, s = tokens.shape
         device = tokens.device
         slots = self.context.place(s, device, counts)
@@ -112,13 +112,17 @@ class StageRunner:
         """Drop the last n (int, or per row [b]) cached tokens of each row."""
         self.context.rewind(n)
 
-    def compact(self, start: int, slots: torch.Tensor):
-        """Batch 1: keep the cached entries at `slots` (ascending, >= start) as start,
-        start + 1, ... and drop every later one. Keys are cached rotated at their RoPE position,
-        so when each moved entry's position equals its new slot (a tree's accepted path:
-        prefix + depth) the result is the cache a chain forward over the same tokens writes;
-        nothing is recomputed."""
-        self.context.compact(start, slots)
+    def compact(self, start, slots: torch.Tensor, counts=None):
+        """Keep each row's cached entries at slots[b, :counts[b]] (ascending, >= start[b]) as
+        start[b], start[b] + 1, ... and drop every later one (DecodeCache.compact). Keys are
+        cached rotated at their RoPE position, so when each moved entry's position equals its
+        new slot (a tree's accepted path: prefix + depth) the result is the cache a chain
+        forward over the same tokens writes; nothing is recomputed."""
+        self.context.compact(start, slots, counts)
+
+    def keep_rows(self, rows: torch.Tensor):
+        """Drop every batch row not in `rows` (ascending) from the cache."""
+        self.context.keep_rows(rows)
 
     def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Give every stage the last stage's `tensor` (same shape and dtype on all ranks)."""

@@ -1,11 +1,12 @@
 """Speculative generation over a batch with ragged acceptance (small seeded random Llama):
 4 prompts of different lengths, each row's output equal to its batch-1 plain greedy output
 token for token, for the EAGLE3, Medusa, n-gram and draft-model drafters, fixed and
-adaptive, at TP=1, TP=2 and PP=2; an oracle drafter wrong at different places in each row
-makes the rows accept different counts in the same round (exact counts per row), through
-the EAGLE3 and Medusa drafters. A row that meets its end-of-turn id stops growing while the
-others go on; a seed reproduces a sampled batch; a tree at batch > 1, an empty prompt and an
-empty batch are refused by name."""
+adaptive, chains and trees (one tree per row), at TP=1, TP=2 and PP=2; an oracle drafter
+wrong at different places in each row makes the rows accept different counts in the same
+round (exact counts per row), through the EAGLE3 and Medusa drafters, chains and trees. A
+row that meets its end-of-turn id leaves the batch (later rounds compute fewer rows) while
+the others go on; a seed reproduces a
+sampled batch (chains and trees); an empty prompt and an empty batch are refused by name."""
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ THRESHOLD = 0.02  # around the random drafts' top probabilities: adaptive chains
 _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
 DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft-model"), "medusa": ("medusa",)}
+TREE = (3, 8)  # TreeSpec(top_k, max_nodes) of the random-draft trees; oracle trees: top-2
 
 
 def policies(kind):
@@ -35,6 +37,7 @@ def policies(kind):
 def batch_worker(tp, pp, draft_dir, out_file):
     """Batch-1 plain greedy per prompt, and the batch through every drafter and policy."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.tree import TreeSpec
     from megatron_specdec.generation import plain_generate
 
     distributed.initialize(tp, pp)
@@ -52,11 +55,14 @@ def batch_worker(tp, pp, draft_dir, out_file):
             for name, policy in policies(kind).items():
                 generator.policy = policy
                 results[f"{algo}/{kind}/{name}"] = generator.generate_batch(PROMPTS, NEW)
-        generator = SpeculativeGenerator(model, K, policy="fixed")
-        if generator.drafter is not None:  # the last stage
-            generator.drafter = OracleDrafter(generator.drafter, results[algo], WRONG_AT,
-                                              HF["vocab_size"])
-        results[f"{algo}/oracle"] = generator.generate_batch(PROMPTS, NEW)
+        results[f"{algo}/tree"] = SpeculativeGenerator(
+            model, K, tree=TreeSpec(*TREE), policy="fixed").generate_batch(PROMPTS, NEW)
+        for name, tree in (("oracle", None), ("oracle_tree", TreeSpec(2))):
+            generator = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
+            if generator.drafter is not None:  # the last stage
+                generator.drafter = OracleDrafter(generator.drafter, results[algo], WRONG_AT,
+                                                  HF["vocab_size"])
+            results[f"{algo}/{name}"] = generator.generate_batch(PROMPTS, NEW)
     if is_writer():
         torch.save(results, out_file)
 
@@ -76,9 +82,12 @@ def test_batch_rows_equal_their_batch_1_greedy(tp, pp, tmp_path):
                 assert {d for r in results[f"{algo}/{kind}/fixed"] for d in r.drafted} == {K}
                 adaptive = results[f"{algo}/{kind}/adaptive"]
                 assert len({d for r in adaptive for d in r.drafted}) > 1, kind
-        for row, greedy, wrong in zip(results[f"{algo}/oracle"], results[algo], WRONG_AT):
-            assert row.tokens == greedy[:NEW], algo
-            assert row.accepted == expected_accepts(K, NEW, wrong), algo
+        for row, greedy in zip(results[f"{algo}/tree"], results[algo]):
+            assert row.tokens == greedy[:NEW], (algo, "tree")
+        for name in ("oracle", "oracle_tree"):
+            for row, greedy, wrong in zip(results[f"{algo}/{name}"], results[algo], WRONG_AT):
+                assert row.tokens == greedy[:NEW], (algo, name)
+                assert row.accepted == expected_accepts(K, NEW, wrong), (algo, name)
     draft_model = results["eagle3/draft-model/fixed"]  # a real draft: ragged acceptance too
     assert len({tuple(r.accepted) for r in draft_model}) > 1
 
@@ -89,28 +98,37 @@ def eagle3():
     return build("eagle3")
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
-def test_a_row_that_ends_stops_growing(eagle3, kind):
+@pytest.mark.parametrize("kind,tree", [("eagle3", False), ("ngram", False), ("eagle3", True)])
+def test_a_finished_row_leaves_the_batch(eagle3, kind, tree):
+    """Outputs unchanged, and each round computes exactly the rows still unfinished."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.tree import TreeSpec
     from megatron_specdec.generation import plain_generate
 
     greedy = [plain_generate(eagle3.base, [p], NEW, HF["vocab_size"])[0] for p in PROMPTS]
     eos = greedy[1][4]  # row 1 ends after 4 tokens (others may meet it too)
-    rows = SpeculativeGenerator(eagle3, K, drafter_kind=kind).generate_batch(
+    rows = SpeculativeGenerator(eagle3, K, drafter_kind=kind,
+                                tree=TreeSpec(*TREE) if tree else None).generate_batch(
         PROMPTS, NEW, eos_ids=[eos])
     for row, full in zip(rows, greedy):
         assert row.tokens == full[: full.index(eos) if eos in full else NEW]
     assert rows[1].tokens == greedy[1][:4]
     longest = max(rows, key=lambda r: len(r.tokens))
     assert len(rows[1].accepted) < len(longest.accepted)  # no rounds counted after its end
+    computed = rows[0].batch_rows
+    assert computed == [sum(len(r.accepted) > j for r in rows) for j in range(len(computed))]
+    assert computed[0] == len(PROMPTS) and computed[-1] < len(PROMPTS)
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot):
+@pytest.mark.parametrize("one_hot,tree", [(False, False), (True, False), (False, True),
+                                          (True, True)])
+def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot, tree):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.decoding.tree import TreeSpec
 
-    generator = SpeculativeGenerator(eagle3, K, policy="fixed")
+    generator = SpeculativeGenerator(eagle3, K, policy="fixed",
+                                     tree=TreeSpec(*TREE) if tree else None)
     runs = [[r.tokens for r in generator.generate_batch(
         PROMPTS, NEW, sampling=Sampling(0.9, seed=seed, one_hot_drafts=one_hot))]
         for seed in (7, 7, 8)]
@@ -120,12 +138,9 @@ def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot):
 
 def test_bad_batches_are_named(eagle3):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.tree import TreeSpec
 
     generator = SpeculativeGenerator(eagle3, K)
     with pytest.raises(ValueError, match="prompt 2 of the batch is empty"):
         generator.generate_batch([[1, 2], [3], []], 4)
     with pytest.raises(ValueError, match="at least one prompt"):
         generator.generate_batch([], 4)
-    with pytest.raises(ValueError, match="batch size 4: tree drafting"):
-        SpeculativeGenerator(eagle3, K, tree=TreeSpec(2)).generate_batch(PROMPTS, 4)

@@ -1,8 +1,8 @@
 """Lossless speculative sampling on a small seeded random Llama: the distribution of the
 tokens it emits equals plain sampling's (two-sample chi-square per position, which rejects a
-deliberately wrong sampler that keeps every draft), with one-hot drafts and with drafts
-sampled from the EAGLE3 draft's own distribution; a seed reproduces its output, and bad
-sampling settings are refused by name."""
+deliberately wrong sampler that keeps every draft), chains and trees, with one-hot drafts and
+with drafts sampled from the EAGLE3 draft's own distribution; a seed reproduces its output,
+and bad sampling settings are refused by name."""
 
 import pytest
 import torch
@@ -21,12 +21,33 @@ def model():
     return build("eagle3")
 
 
-def _generator(model, greedy, cls=None):
-    """Fixed-length chains of the base's greedy continuation (often accepted, often not)."""
+@pytest.fixture(scope="module")
+def greedy(model):
+    from megatron_specdec.generation import plain_generate
+
+    return plain_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Plain sampling's tokens over RUNS seeds."""
+    from megatron_specdec.generation import plain_generate
+
+    def plain(seed):
+        rng = torch.Generator().manual_seed(seed)
+        return plain_generate(model.base, [PROMPT], NEW, HF["vocab_size"], generator=rng,
+                              **SETTINGS)[0]
+
+    return _samples(plain)
+
+
+def _generator(model, greedy, cls=None, tree=None):
+    """Fixed-length chains (or trees whose deepest path is it, every other node wrong) of
+    the base's greedy continuation (often accepted, often not)."""
     from megatron_specdec.decoding.generator import SpeculativeGenerator
 
-    generator = (cls or SpeculativeGenerator)(model, K, policy="fixed")
-    generator.drafter = OracleDrafter(generator.drafter, [greedy])
+    generator = (cls or SpeculativeGenerator)(model, K, policy="fixed", tree=tree)
+    generator.drafter = OracleDrafter(generator.drafter, [greedy], vocab_size=HF["vocab_size"])
     return generator
 
 
@@ -51,17 +72,9 @@ def _same_distribution(a, b) -> float:
     return worst
 
 
-def test_speculative_sampling_matches_plain_sampling(model):
+def test_speculative_sampling_matches_plain_sampling(model, greedy, reference):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.generation import plain_generate
-
-    vocab = HF["vocab_size"]
-    greedy = plain_generate(model.base, [PROMPT], NEW + K + 1, vocab)[0]
-
-    def plain(seed):
-        rng = torch.Generator().manual_seed(seed)
-        return plain_generate(model.base, [PROMPT], NEW, vocab, generator=rng, **SETTINGS)[0]
 
     speculative, accepted = _generator(model, greedy), []
 
@@ -88,7 +101,7 @@ def test_speculative_sampling_matches_plain_sampling(model):
     def biased(seed):
         return wrong.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed)).tokens
 
-    reference = _samples(plain)  # seeded: p-values measured 0.56 here, 3e-193 for `biased`
+    # seeded: p-values measured 0.56 here, 3e-193 for `biased`
     assert _same_distribution(reference, _samples(spec)) > 1e-3
     assert 0.1 < sum(accepted) / (K * len(accepted)) < 0.9  # both branches were exercised
     assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3
@@ -96,13 +109,89 @@ def test_speculative_sampling_matches_plain_sampling(model):
     assert _same_distribution(reference, _samples(biased)) < 1e-6
 
 
+def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, reference):
+    """Trees through tree_verify's recursive rejection over siblings: one-hot oracle trees
+    (the greedy continuation on the deepest path, found after rejecting wrong siblings), and
+    trees sampled from the random EAGLE3 draft with its probabilities (tree.sample_tree);
+    a verifier that takes the greedy path instead is rejected."""
+    from megatron_specdec.acceptance import tree_verify
+    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.decoding.tree import TreeSpec
+
+    spec = TreeSpec(top_k=3, max_nodes=8)
+    oracle, accepted = _generator(model, greedy, tree=spec), []
+
+    def one_hot(seed):
+        result = oracle.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
+        accepted.extend(result.accepted)
+        return result.tokens
+
+    own, own_accepted = SpeculativeGenerator(model, K, policy="fixed", tree=spec), []
+
+    def with_draft_probs(seed):
+        result = own.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
+        own_accepted.extend(result.accepted)
+        return result.tokens
+
+    class GreedyPath(SpeculativeGenerator):
+        def _accept_tree(self, tokens, parents, logits):
+            return tree_verify(tokens, parents, logits)
+
+    wrong = _generator(model, greedy, GreedyPath, spec)
+
+    def biased(seed):
+        return wrong.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+
+    assert _same_distribution(reference, _samples(one_hot)) > 1e-3
+    assert 0.1 < sum(accepted) / (K * len(accepted)) < 0.9
+    assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3
+    assert sum(own_accepted) > 0
+    assert _same_distribution(reference, _samples(biased)) < 1e-6
+
+
+def test_sample_tree_draws_children_from_their_parent():
+    """sample_tree: every node's distribution row is its parent's q, the node budget is
+    filled in growth order, and the draws follow q (a token q gives no mass never appears)."""
+    from megatron_specdec.decoding.tree import TreeSpec, sample_tree
+
+    g = torch.Generator().manual_seed(3)
+    vocab, table = 40, torch.rand(64, 40, generator=torch.Generator().manual_seed(4))
+    table[:, ::2] = 0  # odd tokens only
+    table = table / table.sum(-1, keepdim=True)
+
+    def q_after(candidates, i):
+        return table[(int(candidates.tokens[i]) * 7 + i) % 64]
+
+    def expand(candidates, frontier, d):
+        return torch.stack([q_after(candidates, int(f)) for f in frontier])
+
+    for spec, depth in ((TreeSpec(3), 3), (TreeSpec(3, max_nodes=7), 3), (TreeSpec(2), 1)):
+        tree, probs = sample_tree(table[63], expand, depth, spec, g)
+        n = spec.num_nodes(depth)
+        assert tree.tokens.numel() == n and probs.shape == (n, vocab)
+        assert (tree.tokens % 2 == 1).all()
+        for i, p in enumerate(tree.parents.tolist()):
+            assert p < i
+            want = table[63] if p < 0 else q_after(tree, p)
+            assert torch.equal(probs[i], want.to(probs.dtype))
+    # A floor above the root's top probability drafts nothing.
+    empty, probs = sample_tree(table[63], expand, 3, TreeSpec(3), g,
+                               floor=float(table[63].max().log()) + 1e-3)
+    assert empty.tokens.numel() == 0 and probs.shape == (0, vocab)
+
+
 def test_same_seed_same_output(model):
     from megatron_specdec.decoding.generator import SpeculativeGenerator
     from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.decoding.tree import TreeSpec
 
     generator = SpeculativeGenerator(model, K, drafter_kind="ngram")
     run = [generator.generate(PROMPT, 30, sampling=Sampling(0.9, seed=s)).tokens
            for s in (7, 7, 8)]
+    assert run[0] == run[1] and run[0] != run[2]
+    tree = SpeculativeGenerator(model, K, tree=TreeSpec(3, max_nodes=8))
+    run = [tree.generate(PROMPT, 30, sampling=Sampling(0.9, seed=s)).tokens for s in (7, 7, 8)]
     assert run[0] == run[1] and run[0] != run[2]
 
 

@@ -98,9 +98,14 @@ def test_verify_layout_hand_made():
     #    2   3    4
     #    |
     #    5
-    parents = torch.tensor([-1, -1, 0, 0, 1, 2])
-    positions, mask = verify_layout(parents, prefix=3)
-    assert positions.tolist() == [3, 4, 4, 5, 5, 5, 6]
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2], [-1, 0, -1, -1, -1, -1]])
+    positions, mask = verify_layout(parents, prefix=torch.tensor([3, 1]))
+    assert positions[0].tolist() == [3, 4, 4, 5, 5, 5, 6]
+    assert mask.shape == (2, 1, 7, 10)
+    # Row 1, a 2-node chain padded with root children, sits after its own 1-slot prefix.
+    assert positions[1].tolist() == [1, 2, 3, 2, 2, 2, 2]
+    assert mask[1, 0, :, 8:].all() and not mask[1, 0, :, :2].any()
+    assert (~mask[1, 0, 2, 2:8]).int().tolist() == [1, 1, 0, 0, 0, 0]
     allowed = (~mask[0, 0]).int()
     assert allowed[:, :4].all()  # every query sees the prefix and the root (slot 3)
     assert allowed[:, 4:].tolist() == [
@@ -133,7 +138,7 @@ def test_tree_forward_and_compaction_equal_chain(eagle3):
     tree_runner, chain_runner = BaseRunner(eagle3, 1, 64), BaseRunner(eagle3, 1, 64)
     tree_runner.step(torch.tensor([PROMPT]))
     chain_runner.step(torch.tensor([PROMPT]))
-    positions, mask = verify_layout(parents, n)
+    positions, mask = verify_layout(parents[None], n)
     tree_out = tree_runner.step(torch.tensor([[pending] + tokens.tolist()]), positions, mask)
     chain_out = chain_runner.step(torch.tensor([[pending] + tokens[path].tolist()]))
     rows = torch.tensor([0] + [p + 1 for p in path])

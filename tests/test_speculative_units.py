@@ -4,7 +4,7 @@ the cached draft chain reproduces the training-time-test unroll it was trained w
 that is never confident is asked only on the adaptive policy's backoff schedule and reads the
 skipped base states in one forward per probe; the acceptance metrics on a hand-made case; the
 validation CLI writes its JSON and PNG, for chain (at batch 2) and tree drafting, and names a
-bad --batch-size."""
+bad --batch-size and a bad --typical-eps."""
 
 import json
 import subprocess
@@ -250,7 +250,8 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
          "--temperature", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
     for extra, message in ((["--batch-size", "0"], "--batch-size must be an integer >= 1"),
-                           (["--batch-size", "2", "--tree-top-k", "2"], "--batch-size 2 with a tree")):
+                           (["--acceptance", "typical", "--temperature", "0.7",
+                             "--typical-eps", "1.5"], "typical acceptance eps must lie")):
         bad = subprocess.run(
             [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
              str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out), *extra],

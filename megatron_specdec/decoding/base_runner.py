@@ -38,6 +38,13 @@ class BaseOutput:
 
         return BaseOutput(None, pick(self.aux), pick(self.hidden))
 
+    def rows(self, rows: Tensor) -> "BaseOutput":
+        """The batch rows `rows` only (finished rows leave the batch)."""
+        def pick(states, dim):
+            return None if states is None else states.index_select(dim, rows.to(states.device))
+
+        return BaseOutput(pick(self.logits, 0), pick(self.aux, 1), pick(self.hidden, 1))
+
     @staticmethod
     def cat(outputs) -> "BaseOutput":
         """The draft inputs of several outputs' positions, in order."""
@@ -101,8 +108,11 @@ class BaseRunner:
     def rewind(self, n):
         self.stage.rewind(n)
 
-    def compact(self, start: int, slots: Tensor):
-        self.stage.compact(start, slots)
+    def compact(self, start, slots: Tensor, counts=None):
+        self.stage.compact(start, slots, counts)
+
+    def keep_rows(self, rows: Tensor):
+        self.stage.keep_rows(rows)
 
     def broadcast_from_last(self, tensor: Tensor) -> Tensor:
         return self.stage.broadcast_from_last(tensor)

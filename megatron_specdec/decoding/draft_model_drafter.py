@@ -172,6 +172,13 @@ class DraftModelDrafter:
             return self.chain[:, :0], counts, None
         return torch.stack(drafts, dim=1), counts, torch.stack(probs, dim=1)
 
+    def keep_rows(self, rows: Tensor):
+        """Keep only the batch rows `rows` (ascending)."""
+        self.runner.keep_rows(rows)
+        rows = rows.to(self.unseen.device)
+        self.unseen, self.chain = self.unseen[rows], self.chain[rows]
+        self.unseen_counts = self.unseen_counts[rows.to(self.unseen_counts.device)]
+
     def accept(self, tokens: Tensor, counts: Tensor, out):
         """The target kept tokens [b, s] (the last counts[b] of row b) after the newest token
         the draft knew: cached drafts that match them stay (but the newest kept token, whose

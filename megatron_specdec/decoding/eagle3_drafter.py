@@ -28,6 +28,7 @@ from megatron_specdec.decoding.tree import (
     TreeSpec,
     ancestors,
     grow_tree,
+    sample_tree,
 )
 from megatron_specdec.layers.vocab_parallel import (
     vocab_parallel_argmax,
@@ -158,14 +159,28 @@ class Eagle3Drafter:
         drafts, probs, counts = self._chain(k, policy, pick)
         return self._stack(drafts), counts, torch.stack(probs, dim=1) if probs else None
 
-    def propose_tree(self, depth: int, spec: TreeSpec,
-                     floor: float = float("-inf")) -> DraftTree:
-        """A draft tree (target ids) of at most `depth` levels after the newest real position,
-        grown as tree.py describes (`floor`: the cumulative log-prob a node needs). Leaves the
-        drafter as it found it, like `propose`."""
+    def _tree(self, grow, row: int):
+        """grow(root, expand) over the draft's logits for batch row `row`, through a batch-1
+        view of its cache (one row's tree at a time): root [D] after the row's newest real
+        position, expand(candidates, frontier, d) runs the draft over the frontier nodes
+        (indices into `candidates`, a DraftTree in draft ids, all at depth d) and returns
+        their logits [len(frontier), D]. Returns what grow returns; leaves the drafter as it
+        found it, like `propose`."""
+        whole = self.cache, self.kv, self._last, self.real
+        self.cache = self.cache.row(row)
+        self.kv = [self.cache.blocks(i) for i in range(len(self.kv))]
+        self._last = tuple(x[:, row: row + 1] for x in self._last)
+        self.real = self.real[row: row + 1]
+        try:
+            return self._row_tree(grow)
+        finally:
+            self.cache, self.kv, self._last, self.real = whole
+
+    def _row_tree(self, grow):
+        """`_tree` on a batch-1 drafter."""
         real_hidden, real_logits = self._last
         size = self.module.draft_vocab_size
-        length = int(self.real[0])  # batch 1
+        length = int(self.real[0])
         outputs = {}  # expanded candidate -> its output hidden state [1, b, h]
         expanded = []  # expanded candidates in cache order: slots length, length + 1, ...
 
@@ -179,12 +194,47 @@ class Eagle3Drafter:
             positions = torch.full((len(parents),), length - 1 + d, device=hidden.device)
             out, logits = self._forward(hidden, tokens, positions, mask[None, None])
             outputs.update((c, out[i:i + 1]) for i, c in enumerate(frontier.tolist()))
-            return vocab_parallel_log_probs(logits, size)
+            return vocab_parallel_gather(logits, size)
 
-        tree = grow_tree(vocab_parallel_log_probs(real_logits, size)[0], expand, depth, spec,
-                         floor)
+        grown = grow(vocab_parallel_gather(real_logits, size)[0], expand)
         self._drop_chain()
+        return grown
+
+    def propose_tree(self, depth: int, spec: TreeSpec, floor: float = float("-inf"),
+                     row: int = 0) -> DraftTree:
+        """Batch row `row`'s draft tree (target ids) of at most `depth` levels after its newest
+        real position, grown as tree.py describes (`floor`: the cumulative log-prob a node
+        needs)."""
+        def log_probs(logits):
+            return logits.float().log_softmax(-1)
+
+        tree = self._tree(lambda root, expand: grow_tree(
+            log_probs(root), lambda *at: log_probs(expand(*at)), depth, spec, floor), row)
         return DraftTree(self.target_ids[tree.tokens], tree.parents)
+
+    def propose_tree_sampled(self, depth: int, spec: TreeSpec, floor: float, sampling, rng,
+                             row: int = 0):
+        """Row `row`'s tree sampled from the draft's own distribution (temperature, top-k,
+        top-p over the draft vocabulary; tree.sample_tree), in target ids, and the
+        distribution each node was drawn from over the target vocabulary [N, V] float64, for
+        lossless tree verification with draft probabilities."""
+        from megatron_specdec.acceptance.reference import target_probs
+
+        def q(logits):
+            return target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+        tree, probs = self._tree(lambda root, expand: sample_tree(
+            q(root), lambda *at: q(expand(*at)), depth, spec, rng, floor), row)
+        full = probs.new_zeros(probs.shape[0], self.module.t2d.numel())
+        full[:, self.target_ids] = probs
+        return DraftTree(self.target_ids[tree.tokens], tree.parents), full
+
+    def keep_rows(self, rows: Tensor):
+        """Keep only the batch rows `rows` (ascending; finished rows leave the batch)."""
+        self.cache.keep_rows(rows)
+        self.kv = [self.cache.blocks(i) for i in range(len(self.kv))]
+        self.real = self.real[rows.cpu()]
+        self._last = tuple(x.index_select(1, rows.to(x.device)) for x in self._last)
 
     def accept(self, tokens: Tensor, counts: Tensor, out):
         """The base kept tokens [b, s] (the last counts[b] of row b; each real token is the

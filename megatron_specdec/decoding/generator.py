@@ -1,5 +1,5 @@
-"""Speculative generation (greedy, or lossless sampling for chains) from a
-SpeculativeGPTModel at any TP/PP, for a batch of prompts.
+"""Speculative generation (greedy, or lossless sampling) from a SpeculativeGPTModel at any
+TP/PP, for a batch of prompts.
 
 Every rank of the model-parallel group runs the same loop. Per round the last stage drafts
 up to k tokens per row (the DraftPolicy decides how many, row by row: draft_policy.py; none
@@ -11,23 +11,29 @@ the drafter re-reads the base states of each row's kept ones. Rows accept differ
 so every cache (the base's, the EAGLE3 draft's, a draft model's) keeps a length per row and
 places a row's tokens at its own slots and RoPE positions (layers.decode_attention.DecodeCache):
 each row's output is the one it gets alone. A row that has finished (end-of-turn id or
-max_new_tokens) drafts nothing and keeps nothing until the batch is done. Drafters: EAGLE3,
+max_new_tokens) leaves the batch: every cache and the drafter drop its row (keep_rows), so
+later rounds compute the unfinished rows only. Drafters: EAGLE3,
 Medusa, or prompt lookup (n-gram). The emitted sequence is the base's own greedy
 continuation, so it matches generation.plain_generate token for token (up to float ties
 between a k+1-token and a 1-token forward). A separate GPT of the target's vocabulary can
 draft instead (`drafter_kind="draft-model"`, draft_model_drafter.py).
 
-With `tree=TreeSpec(top_k, max_nodes)` (batch 1) the last stage drafts a tree of depth k
-instead (tree.py), all stages verify [pending, nodes] in one base forward under the tree
-mask, the fused greedy tree op picks the deepest accepted path, and every stage moves that
-path's cache entries to the slots after pending (StageRunner.compact) rather than
-recomputing them: a copy of a + 1 entries per layer instead of another base forward. Output
-is again the base's greedy continuation. Trees at batch > 1 are refused: the drafters grow
-one tree at a time.
+With `tree=TreeSpec(top_k, max_nodes)` the last stage drafts a tree of depth k per row
+instead (tree.py; the drafters grow one row's tree at a time), all stages verify every row's
+[pending, nodes] in one base forward under the tree masks (padded to the largest tree), the
+fused tree op picks each row's accepted path (greedy: the deepest matching path; sampling:
+recursive rejection over siblings), and every stage moves each row's path's cache entries
+to the slots after its pending token (StageRunner.compact) rather than recomputing them: a
+copy of a + 1 entries per layer instead of another base forward. Rows accept ragged path
+lengths, as with chains. Sampled trees are lossless: one-hot (greedy) trees, or with draft
+probabilities trees whose siblings are i.i.d. draws from their parent's distribution
+(tree.sample_tree: the contract of acceptance.tree_verify).
 
 Drafter interface (last stage): `start(prompt [b, P] left-padded, lengths [b], pending
 [b, 1], prefill states, max_length)`; `propose(k, policy)` -> drafts [b, n], counts [b]
-(`propose_sampled` adds their distributions); `accept(tokens [b, s], counts [b], states)`:
+(`propose_sampled` adds their distributions); `propose_tree(k, spec, floor, row)` ->
+DraftTree (`propose_tree_sampled` adds the nodes' distributions); `accept(tokens [b, s],
+counts [b], states)`:
 the tokens each row kept since the drafter last read, left-padded (the last counts[b] of
 row b are real), with the base states at the same positions.
 """
@@ -40,11 +46,16 @@ from functools import partial
 
 import torch
 
-from megatron_specdec.acceptance import greedy_chain_verify, stochastic_chain_verify, tree_verify
+from megatron_specdec.acceptance import (
+    greedy_chain_verify,
+    stochastic_chain_verify,
+    tree_verify,
+    typical_verify,
+)
 from megatron_specdec.decoding.base_runner import BaseOutput, BaseRunner
 from megatron_specdec.decoding.draft_policy import DraftPolicy
-from megatron_specdec.decoding.sampling import Sampling
-from megatron_specdec.decoding.tree import TreeSpec, verify_layout
+from megatron_specdec.decoding.sampling import Sampling, TypicalAcceptance
+from megatron_specdec.decoding.tree import TreeSpec, ancestors, verify_layout
 
 
 @dataclass
@@ -58,6 +69,9 @@ class GenerationResult:
     # the whole batch (one dict shared by its rows).
     seconds: Dict[str, float] = field(
         default_factory=lambda: {"draft": 0.0, "base": 0.0, "total": 0.0})
+    # Rows of the batch each verify forward computed (finished rows leave it), one list
+    # shared by the batch's rows.
+    batch_rows: List[int] = field(default_factory=list)
 
 
 def default_num_draft_tokens(model) -> int:
@@ -122,11 +136,13 @@ class SpeculativeGenerator:
     `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain.
     `policy`: "adaptive" (draft while confident, default) or "fixed" (always k), or a
     DraftPolicy. `drafter_kind`: eagle3, medusa, ngram or draft-model (default: the model's
-    module); `draft_model`: the draft-model checkpoint."""
+    module); `draft_model`: the draft-model checkpoint. `typical`: verify sampled Medusa
+    chains with typical acceptance (sampling.TypicalAcceptance: lossy) instead of rejection
+    sampling."""
 
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
                  tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None,
-                 draft_model=None):
+                 draft_model=None, typical: TypicalAcceptance = None):
         self.model = model
         self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
                   else num_draft_tokens)
@@ -141,6 +157,14 @@ class SpeculativeGenerator:
                 raise ValueError(f"the {drafter_kind} drafter drafts chains, not trees")
             tree.check(self.k, draft_vocab_size(model))
         self.tree = tree
+        if typical is not None:
+            kind = check_drafter_kind(model, drafter_kind)
+            if kind != "medusa":
+                raise ValueError(f"typical acceptance is Medusa's (a chain of heads' top "
+                                 f"tokens); drafter {kind!r} verifies by rejection sampling")
+            if tree is not None:
+                raise ValueError("typical acceptance verifies chains; drop the tree")
+        self.typical = typical
         self.drafter = drafter if drafter is not None else \
             build_drafter(model, drafter_kind, draft_model)
 
@@ -154,35 +178,38 @@ class SpeculativeGenerator:
                        sampling: Sampling = None) -> List[GenerationResult]:
         """Continuations of `prompts` (lists of token ids), each row stopping at any id in
         `eos_ids` (not included) or after `max_new_tokens`: greedy, or sampled losslessly
-        with `sampling` (chains: drafts sampled from the draft's distribution, or proposed
-        one-hot, are accepted by rejection sampling, so the output has plain sampling's
-        distribution; a seed reproduces the batch's output). Every rank returns the results."""
+        with `sampling` (chains and trees: drafts sampled from the draft's distribution, or
+        proposed one-hot, are accepted by rejection sampling, so the output has plain
+        sampling's distribution; a seed reproduces the batch's output); `self.typical`:
+        Medusa's typical acceptance instead (lossy). Every rank returns the results."""
         from megatron_specdec.distributed import device
         from megatron_specdec.generation import left_pad
 
         tokens, lengths = left_pad(prompts, 0, device())  # names an empty prompt
         batch = tokens.shape[0]
         sampling = sampling if sampling is not None and not sampling.greedy else None
-        if self.tree is not None and batch > 1:
-            raise ValueError(f"batch size {batch}: tree drafting takes one prompt at a time "
-                             f"(batch size 1); draft chains for a batch")
-        if sampling is not None and self.tree is not None:
-            raise NotImplementedError("sampled tree drafting is not built; use a chain")
+        if self.typical is not None and (sampling is None or sampling.top_k
+                                         or sampling.top_p < 1):
+            raise ValueError("typical acceptance needs a sampling temperature > 0 and no "
+                             "top_k/top_p (it reads the target at the temperature only)")
         self._sampling = sampling
         self._rng = None if sampling is None else sampling.generator(device())
         started = time.perf_counter()
         k, drafter = self.k, self.drafter
         eos = set(int(e) for e in eos_ids)
         self._seconds = {"draft": 0.0, "base": 0.0, "total": 0.0}
-        results = [GenerationResult([], [], k, seconds=self._seconds) for _ in range(batch)]
+        batch_rows = []
+        results = [GenerationResult([], [], k, seconds=self._seconds, batch_rows=batch_rows)
+                   for _ in range(batch)]
         done = [max_new_tokens <= 0] * batch
         clock = self._clock
+        index = list(range(batch))  # the result each row of the computed batch feeds
 
         def emit(new, counts):
-            """Append each unfinished row's first counts[b] tokens of new [b, s] (host lists)
+            """Append each computed row's first counts[b] tokens of new [b, s] (host lists)
             until its end-of-turn id or max_new_tokens."""
-            for row, (ids, n) in enumerate(zip(new, counts)):
-                for token in ids[:n if not done[row] else 0]:
+            for row, ids, n in zip(index, new, counts):
+                for token in ids[:n]:
                     if token in eos:
                         done[row] = True
                         break
@@ -207,29 +234,45 @@ class SpeculativeGenerator:
         pending = torch.zeros(batch, 1, dtype=torch.long, device=tokens.device)
         if runner.last:
             last = out.logits[:, -1]
-            pending[:, 0] = last.argmax(-1) if sampling is None else \
+            # Typical acceptance emits the target's argmax after the drafts, as here.
+            pending[:, 0] = last.argmax(-1) if sampling is None or self.typical else \
                 sampling.sample(last, self._rng)
             clock("draft", drafter.start, tokens, lengths, pending, out, max_length)
         runner.broadcast_from_last(pending)
         emit(pending.tolist(), [1] * batch)
         verify = self._verify_chain if self.tree is None else self._verify_tree
         self._unread, self._skip, self._backoff = [], 0, 0
-        while not all(done):
-            live = [not d for d in done]
-            active = torch.tensor(live, device=tokens.device)
-            accepted, drafted, new, out = verify(runner, pending, active)
-            for row, (a, d) in enumerate(zip(accepted.tolist(), drafted.tolist())):
-                if live[row]:
-                    results[row].accepted.append(a)
-                    results[row].drafted.append(d)
-            # A finished row keeps nothing: its cache stops growing.
-            kept = (accepted + 1) * active
-            runner.rewind(new.shape[1] - kept)
+        while True:
+            # Finished rows leave the batch: later rounds compute the others only.
+            live = [row for row, i in enumerate(index) if not done[i]]
+            if not live:
+                return finish()
+            if len(live) < len(index):
+                rows = torch.tensor(live)
+                runner.keep_rows(rows)
+                pending = pending[rows.to(pending.device)]
+                if runner.last:
+                    self._keep_rows(rows)
+                index = [index[row] for row in live]
+            start = runner.lengths.clone()
+            accepted, drafted, new, out = verify(runner, pending)
+            batch_rows.append(len(index))
+            for row, a, d in zip(index, accepted.tolist(), drafted.tolist()):
+                results[row].accepted.append(a)
+                results[row].drafted.append(d)
+            kept = accepted + 1
+            runner.rewind(runner.lengths - start - kept.cpu())
             emit(new.tolist(), kept.tolist())
             if runner.last:
                 self._unread.append((new, kept, out))
             pending = new.gather(1, accepted[:, None])
-        return finish()
+
+    def _keep_rows(self, rows):
+        """The last stage's drafter and unread rounds keep the batch rows `rows` only."""
+        self.drafter.keep_rows(rows)
+        self._unread = [(new.index_select(0, rows.to(new.device)),
+                         kept.index_select(0, rows.to(kept.device)), out.rows(rows))
+                        for new, kept, out in self._unread]
 
     def _draft(self, k: int):
         """The last stage's drafts [b, n] and per-row counts [b] for this round: none while
@@ -276,8 +319,8 @@ class SpeculativeGenerator:
         self._seconds[part] += time.perf_counter() - start
         return value
 
-    def _verify_chain(self, runner, pending, active):
-        """One round: each active row drafts up to k, all verify in one forward. Returns
+    def _verify_chain(self, runner, pending):
+        """One round: each row drafts up to k, all verify in one forward. Returns
         (accepted [b], drafted [b], the verdict [b, n + 1]: row b's emitted tokens first,
         then -1, and the base states of the n + 1 positions (last stage)). The caller
         rewinds."""
@@ -286,7 +329,7 @@ class SpeculativeGenerator:
         if runner.last:  # the drafts, then their counts: one broadcast
             drafts, counts = self._draft(k)
             proposal[:, : drafts.shape[1]] = drafts
-            proposal[:, k] = counts.to(active.device) * active
+            proposal[:, k] = counts
         runner.broadcast_from_last(proposal)
         counts = proposal[:, k]
         n = int(counts.max())
@@ -304,6 +347,9 @@ class SpeculativeGenerator:
         if self._sampling is None:
             return greedy_chain_verify(drafts, logits.argmax(-1), counts)
         s = self._sampling
+        if self.typical is not None:
+            return typical_verify(drafts, logits, counts, temperature=s.temperature,
+                                  eps=self.typical.eps, alpha=self.typical.alpha)
         probs = self._draft_probs
         if probs is not None:
             probs = probs[:, : drafts.shape[1]] if drafts.shape[1] else None
@@ -311,37 +357,79 @@ class SpeculativeGenerator:
                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                        generator=self._rng)
 
-    def _verify_tree(self, runner, pending, active):
-        """The same round over a draft tree of up to n nodes (none: a plain step), batch 1;
-        the accepted path's cache entries are compacted after pending, so the verdict and
-        states cover pending and the path alone."""
-        k, n = self.k, self.tree.num_nodes(self.k)
-        tree = torch.zeros(2, n + 1, dtype=torch.long, device=pending.device)
-        if runner.last:  # tokens and parents, then the node count: one broadcast
+    def _propose_trees(self, k: int, batch: int):
+        """The last stage's draft tree of each row: sampled from the draft's distribution
+        when sampling with a drafter that has one (the nodes' distributions left in
+        `_draft_probs`, per row), otherwise the greedy tree (one-hot drafts: lossless too,
+        tree.py)."""
+        s, floor = self._sampling, self.policy.tree_floor
+        sampled = s is not None and not s.one_hot_drafts and hasattr(self.drafter,
+                                                                     "propose_tree_sampled")
+        trees, self._draft_probs = [], [] if sampled else None
+        for row in range(batch):
+            if sampled:
+                tree, probs = self.drafter.propose_tree_sampled(k, self.tree, floor, s,
+                                                                self._rng, row)
+                trees.append(tree)
+                self._draft_probs.append(probs)
+            else:
+                trees.append(self.drafter.propose_tree(k, self.tree, floor, row))
+        return trees
+
+    def _accept_tree(self, tokens, parents, logits, sizes):
+        """tree_verify over one tree per row ([b, m], sizes[b] nodes each): greedy, or
+        recursive rejection sampling over siblings (against the nodes' draft
+        distributions, or one-hot). Width: tokens [b, d + 1], path [b, d], d = min(k, m)."""
+        s, depth = self._sampling, min(self.k, tokens.shape[1])
+        if s is None:
+            return tree_verify(tokens, parents, logits, sizes, max_depth=depth)
+        probs = None
+        if self._draft_probs is not None and tokens.shape[1]:
+            vocab = logits.shape[-1]
+            probs = logits.new_zeros(tokens.shape + (vocab,), dtype=torch.float64)
+            for row, q in enumerate(self._draft_probs):
+                probs[row, : q.shape[0]] = q
+        return tree_verify(tokens, parents, logits, sizes, draft_probs=probs,
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                           max_depth=depth, generator=self._rng)
+
+    def _verify_tree(self, runner, pending):
+        """The same round over a draft tree per row of up to n nodes (none: a plain
+        step), all rows in one forward, each tree after its own row's cache; every row's
+        accepted path's cache entries are compacted after its pending token, so the verdict
+        and states cover pending and the path alone."""
+        k, n, batch = self.k, self.tree.num_nodes(self.k), pending.shape[0]
+        # Per row: tokens, parents (padding: -1, a root child nothing reads), then the node
+        # count and depth in the last column: one broadcast.
+        tree = torch.zeros(batch, 2, n + 1, dtype=torch.long, device=pending.device)
+        tree[:, 1, :n] = -1
+        if runner.last:
             self._catch_up()
-            drafted = self._clock("draft", self.drafter.propose_tree, k, self.tree,
-                                  self.policy.tree_floor)
-            m = drafted.tokens.numel()
-            tree[:, :m] = torch.stack([drafted.tokens, drafted.parents])
-            tree[0, n] = m
+            trees = self._clock("draft", self._propose_trees, k, batch)
+            for row, drafted in enumerate(trees):
+                m = drafted.tokens.numel()
+                tree[row, 0, :m], tree[row, 1, :m] = drafted.tokens, drafted.parents
+                tree[row, 0, n] = m
+                tree[row, 1, n] = int(ancestors(drafted.parents).sum(1).max()) if m else 0
         runner.broadcast_from_last(tree)
-        m = int(tree[0, n])
-        tokens, parents = tree[0:1, :m], tree[1:2, :m]
-        start = int(runner.lengths[0])  # pending's slot
-        positions, mask = verify_layout(parents[0], start)
+        sizes, depth = tree[:, 0, n], tree[:, 1, n]
+        m = int(sizes.max())
+        tokens, parents = tree[:, 0, :m], tree[:, 1, :m]
+        start = runner.lengths.clone()  # each row's pending slot
+        positions, mask = verify_layout(parents, start)
         out = self._clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
                           mask)
-        verdict = torch.zeros(1, 2 * k + 3, dtype=torch.long, device=pending.device)
+        verdict = torch.zeros(batch, 2 * k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            emitted, counts, path = tree_verify(tokens, parents, out.logits)
-            depth = path.shape[1]
-            verdict[:, : depth + 1] = emitted
-            verdict[:, k + 1: k + 1 + depth] = path
-            verdict[0, -2], verdict[0, -1] = depth, counts[0]
+            emitted, counts, path = self._accept_tree(tokens, parents, out.logits, sizes)
+            d = path.shape[1]
+            verdict[:, : d + 1], verdict[:, k + 1: k + 1 + d] = emitted, path
+            verdict[:, -1] = counts
         runner.broadcast_from_last(verdict)
-        depth, accepted = verdict[:, -2], verdict[:, -1]
-        path = verdict[0, k + 1: k + 1 + int(accepted)]
-        runner.compact(start + 1, start + 1 + path)
-        kept = torch.cat([path.new_zeros(1), path + 1])
-        states = out.take(kept[None]) if runner.last else None
-        return accepted, depth, verdict[:, : int(accepted) + 1], states
+        accepted = verdict[:, -1]
+        width = int(accepted.max())
+        path = verdict[:, k + 1: k + 1 + width].clamp_min(0)
+        runner.compact(start + 1, start[:, None].to(path.device) + 1 + path, accepted)
+        kept = torch.cat([path.new_zeros(batch, 1), path + 1], dim=1)
+        states = out.take(kept) if runner.last else None
+        return accepted, depth, verdict[:, : width + 1], states

@@ -51,13 +51,17 @@ class MedusaDrafter:
                                device=self._hidden.device), counts
         return torch.stack(drafts, dim=1), counts
 
-    def propose_tree(self, depth: int, spec: TreeSpec,
-                     floor: float = float("-inf")) -> DraftTree:
-        """Head d's top-k under every depth-d node; `floor`: see tree.grow_tree."""
+    def propose_tree(self, depth: int, spec: TreeSpec, floor: float = float("-inf"),
+                     row: int = 0) -> DraftTree:
+        """Batch row `row`'s tree: head d's top-k under every depth-d node; `floor`: see
+        tree.grow_tree."""
         heads = [vocab_parallel_log_probs(logits, self.vocab_size)
-                 for logits in self.heads(self._hidden)[:depth]]
+                 for logits in self.heads(self._hidden[:, row: row + 1])[:depth]]
         return grow_tree(heads[0][0], lambda _, frontier, d: heads[d].expand(len(frontier), -1),
                          depth, spec, floor)
+
+    def keep_rows(self, rows: Tensor):
+        self._hidden = self._hidden.index_select(1, rows.to(self._hidden.device))
 
     def accept(self, tokens: Tensor, counts: Tensor, out):
         self._hidden = out.hidden[-1:]  # each row's newest kept state (left-padded chunk)

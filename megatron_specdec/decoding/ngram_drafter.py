@@ -60,6 +60,12 @@ class NgramDrafter:
         n = int(self.proposed.max())
         return drafts[:, :n], self.proposed.clone()
 
+    def keep_rows(self, rows: Tensor):
+        """Keep only the batch rows `rows` (ascending)."""
+        rows = rows.cpu()
+        self.history = [self.history[r] for r in rows.tolist()]
+        self.rates, self.proposed = self.rates[rows], self.proposed[rows]
+
     def accept(self, tokens: Tensor, counts: Tensor, out):
         """The kept tokens of one round (the last counts[b] of row b): the accepted drafts
         and the base's next token."""

@@ -45,19 +45,26 @@ class OracleDrafter:
                               dtype=own.dtype, device=own.device)
         return drafts, torch.full((len(self.emitted),), k, device=own.device)
 
-    def propose_tree(self, depth, spec, floor=float("-inf")):
+    def propose_tree(self, depth, spec, floor=float("-inf"), row=0):
         if self.vocab_size is None:
             raise ValueError("an oracle tree needs vocab_size (for its wrong tokens)")
-        own = self.inner.propose_tree(depth, spec)  # the full tree: the answer needs depth
+        own = self.inner.propose_tree(depth, spec, row=row)  # full: the answer needs depth
         seen = ancestors(own.parents)
         depths = seen.sum(1)
         deepest = int((depths == depths.max()).nonzero().max())
-        answer = torch.tensor(self._answer(int(depths.max()), 0),
+        answer = torch.tensor(self._answer(int(depths.max()), row),
                               device=own.tokens.device)
         tokens = (answer[depths - 1] + 1) % self.vocab_size  # wrong everywhere ...
         path = seen[deepest]
         tokens[path] = answer[depths[path] - 1]  # ... but along the chosen path
         return DraftTree(tokens, own.parents)
+
+    def keep_rows(self, rows):
+        self.inner.keep_rows(rows)
+        rows = rows.tolist()
+        self.continuations = [self.continuations[r] for r in rows]
+        self.wrong_at = [self.wrong_at[r] for r in rows]
+        self.emitted = [self.emitted[r] for r in rows]
 
     def accept(self, tokens, counts, out):
         self.inner.accept(tokens, counts, out)

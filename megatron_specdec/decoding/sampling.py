@@ -6,6 +6,7 @@ distribution. Every model-parallel rank must draw the same numbers: the generato
 from `seed`, or from one seed drawn on the first rank of the model-parallel group.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,3 +56,28 @@ class Sampling:
 
         probs = target_probs(logits, self.temperature, self.top_k, self.top_p)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+ACCEPTANCE = ("rejection", "typical")
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance, an explicitly lossy alternative to rejection sampling
+    (acceptance.typical_verify): a draft is kept while the target, at the sampling
+    temperature, gives it more than min(eps, alpha * exp(-entropy)), and the token after the
+    kept drafts is the target's argmax. It accepts more than rejection sampling where the
+    target is unsure, and its output does not follow the target's sampling distribution; as
+    the temperature goes to 0 it becomes greedy verification."""
+
+    eps: float = 0.09  # Medusa's posterior_threshold
+    alpha: float = 0.3  # Medusa's posterior_alpha
+
+    def __post_init__(self):
+        if not (isinstance(self.eps, (int, float)) and 0 <= self.eps <= 1):
+            raise ValueError(f"typical acceptance eps must lie in [0, 1] (a probability "
+                             f"floor), got {self.eps}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)
+                and self.alpha >= 0):
+            raise ValueError(f"typical acceptance alpha must be finite and >= 0, "
+                             f"got {self.alpha}")

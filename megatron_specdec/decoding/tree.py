@@ -10,15 +10,31 @@ The node count is at most k + (depth - 1) * k * k, capped at `max_nodes`. With a
 floor (an adaptive DraftPolicy) only candidates whose cumulative probability reaches it are
 expanded or kept, so an unconfident draft grows a small tree, or none (a plain step).
 
+For lossless speculative sampling with draft probabilities (`sample_tree`) the tree must be
+what `acceptance.tree_verify` assumes: the children of a node are independent draws from the
+distribution q at that node, tried in index order, each verified against q. Top-k children
+are not draws from q (verifying them against q would bias the output towards them), and
+neither are draws without replacement (the second child's distribution is q renormalised
+without the first, not q), nor any set filtered by the children's own values (a floor or a
+node cap by score). So `sample_tree` draws each expanded node's children i.i.d. from its q
+(with replacement: a repeated token is a second, independent proposal), and decides how many
+children a node gets from things fixed before they are drawn: its own path's cumulative
+probability (which nodes of a depth are expanded) and the node budget (filled in growth
+order). One-hot drafting (no draft probabilities) needs none of this: any deterministic tree
+of distinct siblings is lossless, so it uses the greedy `grow_tree`.
+
 The flattened tree lists nodes in growth order (parents before children), `parents[i]` = -1
 for children of the root: the layout `acceptance.tree_verify` takes. The base verifies
-[root, node_0 .. node_{N-1}] in one forward: each node attends to the cached prefix, the root,
-its ancestors and itself, at RoPE position prefix + depth, which is exactly the context and
-position it would have had in a chain, so an accepted path's logits are the chain's.
+[root, node_0 .. node_{N-1}] in one forward (one tree per row of a batch, each after its own
+cached prefix, padded to the largest with extra root children that nothing reads): each node
+attends to the cached prefix, the root, its ancestors and itself, at RoPE position
+prefix + depth, which is exactly the context and position it would have had in a chain, so an
+accepted path's logits are the chain's.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+import math
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -91,6 +107,43 @@ def grow_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec,
     return DraftTree(tokens[keep], new_index[parents[keep]])
 
 
+def sample_tree(root: Tensor, expand: Callable, depth: int, spec: TreeSpec, generator,
+                floor: float = float("-inf")) -> Tuple[DraftTree, Tensor]:
+    """A tree sampled from the draft (module notes), and the distribution each node was drawn
+    from [N, V] (its parent's q). root: q [V] after the root; expand(candidates, frontier, d):
+    q [len(frontier), V] at the candidates `frontier`, all at depth d. Each expanded node
+    gets spec.top_k children drawn i.i.d. from its q; at each depth the top_k nodes of the
+    newest depth with the highest cumulative draft probability are expanded, those below
+    `floor` (log) not; the root is expanded unless q's top probability is below the floor.
+    Nodes past spec.num_nodes(depth), in growth order, are not drawn."""
+    k, budget, device = spec.top_k, spec.num_nodes(depth), root.device
+    if math.log(max(float(root.max()), 1e-300)) < floor:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return DraftTree(empty, empty.clone()), root.new_zeros(0, root.numel())
+    width = min(k, budget)
+    tokens = torch.multinomial(root, width, replacement=True, generator=generator)
+    parents = torch.full((width,), -1, dtype=torch.long, device=device)
+    dists = [root.expand(width, -1)]
+    scores = root[tokens].double().log()
+    level = torch.arange(width, device=device)
+    for d in range(1, depth):
+        room = budget - tokens.numel()
+        ranked = level[scores[level].argsort(descending=True, stable=True)][:k]
+        frontier = ranked[scores[ranked] >= floor].sort().values
+        if room <= 0 or not frontier.numel():
+            break
+        q = expand(DraftTree(tokens, parents), frontier, d)
+        drawn = torch.multinomial(q, k, replacement=True, generator=generator)
+        rows = torch.arange(frontier.numel(), device=device).repeat_interleave(k)[:room]
+        children = drawn.flatten()[:room]
+        level = tokens.numel() + torch.arange(children.numel(), device=device)
+        tokens = torch.cat([tokens, children])
+        parents = torch.cat([parents, frontier[rows]])
+        dists.append(q[rows])
+        scores = torch.cat([scores, scores[frontier[rows]] + q[rows, children].double().log()])
+    return DraftTree(tokens, parents), torch.cat(dists)
+
+
 def ancestors(parents: Tensor) -> Tensor:
     """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
     n = parents.numel()
@@ -101,14 +154,21 @@ def ancestors(parents: Tensor) -> Tensor:
     return table
 
 
-def verify_layout(parents: Tensor, prefix: int):
-    """RoPE positions [N + 1] and attention mask [1, 1, N + 1, prefix + N + 1] (True = may not
-    attend) of the verify forward over [root, nodes] appended after `prefix` cached slots."""
-    n = parents.numel()
-    seen = ancestors(parents)
-    depths = seen.sum(1)
-    positions = prefix + torch.cat([depths.new_zeros(1), depths])
-    mask = torch.zeros(n + 1, prefix + n + 1, dtype=torch.bool, device=parents.device)
-    mask[0, prefix + 1:] = True
-    mask[1:, prefix + 1:] = ~seen
-    return positions, mask[None, None]
+def verify_layout(parents: Tensor, prefix):
+    """RoPE positions [b, N + 1] and attention mask [b, 1, N + 1, max(prefix) + N + 1] (True =
+    may not attend) of the verify forward over [root, nodes] of one tree per row (parents
+    [b, N]; a row's padding nodes have parent -1) appended after prefix[b] (or int) cached
+    slots of that row."""
+    b, n = parents.shape
+    prefix = torch.as_tensor(prefix).cpu().expand(b)
+    end = int(prefix.max()) + n + 1
+    positions = torch.empty(b, n + 1, dtype=torch.long, device=parents.device)
+    mask = torch.ones(b, 1, n + 1, end, dtype=torch.bool, device=parents.device)
+    for row in range(b):
+        start = int(prefix[row])
+        seen = ancestors(parents[row])
+        positions[row, 0] = start
+        positions[row, 1:] = start + seen.sum(1)
+        mask[row, 0, :, :start + 1] = False
+        mask[row, 0, 1:, start + 1: start + n + 1] = ~seen
+    return positions, mask

@@ -6,7 +6,7 @@
         [--tree-top-k 4 [--tree-max-nodes 32]]
         [--drafter eagle3|medusa|ngram|draft-model [--draft-model DRAFT_CKPT]]
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
-        [--batch-size 4]
+        [--acceptance typical [--typical-eps 0.09] [--typical-alpha 0.3]] [--batch-size 4]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
 the tokenizer's chat template as one user message; later turns are not used (a multi-turn
@@ -64,16 +64,16 @@ def _resolve(model_or_ckpt, tokenizer):
     """(speculative model, tokenizer) from a model object or a speculative checkpoint path."""
     from megatron.core import parallel_state as ps
 
-    from megatron_specdec import checkpoint, distributed
+    from megatron_specdec import distributed
     from megatron_specdec.data import load_tokenizer
 
     if isinstance(model_or_ckpt, (str, os.PathLike)):
-        from megatron_specdec.speculative import load_speculative
+        from megatron_specdec.loading import load_model
 
         if not ps.model_parallel_is_initialized():
             distributed.initialize(1, 1)
-        model, _, _ = load_speculative(model_or_ckpt)
-        tokenizer = tokenizer or Path(model_or_ckpt) / checkpoint.TOKENIZER_DIR
+        loaded = load_model(model_or_ckpt, need_draft=True)
+        model, tokenizer = loaded.model, tokenizer or loaded.tokenizer_dir
     elif tokenizer is None:
         raise ValueError("evaluate_acceptance needs a tokenizer when given a model object")
     else:
@@ -86,14 +86,16 @@ def _resolve(model_or_ckpt, tokenizer):
 def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_tokens=128,
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
-                        policy="adaptive", sampling=None, draft_model=None, batch_size=1):
+                        policy="adaptive", sampling=None, draft_model=None, batch_size=1,
+                        typical=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
     `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram or
     draft-model (default: the model's own draft module; `draft_model`: the draft GPT
     checkpoint of draft-model); `policy`: adaptive or fixed draft length;
     `sampling`: a decoding.sampling.Sampling (the batch from prompt i on uses seed + i; the
     baseline is then plain sampling, and outputs are not compared); `batch_size`: prompts
-    per batch.
+    per batch; `typical`: a sampling.TypicalAcceptance (Medusa, lossy) instead of rejection
+    sampling.
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -107,12 +109,13 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     from megatron_specdec.distributed import is_rank0
     from megatron_specdec.generation import plain_generate
 
-    check_batch_size(batch_size, tree is not None)
+    check_batch_size(batch_size)
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree, policy=policy,
-                                     drafter_kind=drafter, draft_model=draft_model)
+                                     drafter_kind=drafter, draft_model=draft_model,
+                                     typical=typical)
     sampled = sampling is not None and not sampling.greedy
     seed = (sampling.seed or 0) if sampled else 0
     records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
@@ -155,6 +158,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     }
     if sampled:
         report["sampling"] = asdict(sampling)
+        report["acceptance"] = "rejection" if typical is None else {"typical": asdict(typical)}
     if compare_greedy:
         report["greedy_tokens_per_s"] = plain_tokens / greedy_time  # plain sampling if sampled
         report["speedup"] = report["speculative_tokens_per_s"] / report["greedy_tokens_per_s"]
@@ -220,7 +224,7 @@ def parse_args(argv=None):
                    help="keep this many tree nodes of highest draft probability (default: all)")
     add_drafting_args(p)
     p.add_argument("--batch-size", type=int, default=1,
-                   help="prompts generated together (rows accept ragged counts; chains only)")
+                   help="prompts generated together (rows accept ragged counts)")
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -231,6 +235,7 @@ def add_drafting_args(p):
     """--drafter and --draft-policy, shared with bench/bench_generation.py."""
     from megatron_specdec.decoding.draft_policy import POLICIES
     from megatron_specdec.decoding.generator import DRAFTERS
+    from megatron_specdec.decoding.sampling import ACCEPTANCE, TypicalAcceptance
 
     p.add_argument("--drafter", choices=DRAFTERS, default=None,
                    help="who drafts (default: the checkpoint's draft module; ngram needs none)")
@@ -239,10 +244,17 @@ def add_drafting_args(p):
     p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="adaptive: draft while the draft is confident (default); fixed: always k")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples losslessly (chains)")
+                   help="0 = greedy (default); > 0 samples losslessly (chains and trees)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k likeliest (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass")
     p.add_argument("--seed", type=int, default=0, help="sampling: seed of the first prompt")
+    p.add_argument("--acceptance", choices=ACCEPTANCE, default="rejection",
+                   help="sampling: rejection (lossless, default) or typical (Medusa's typical "
+                        "acceptance: lossy, Medusa chains only)")
+    p.add_argument("--typical-eps", type=float, default=TypicalAcceptance.eps,
+                   help="--acceptance typical: probability floor eps")
+    p.add_argument("--typical-alpha", type=float, default=TypicalAcceptance.alpha,
+                   help="--acceptance typical: entropy factor alpha")
 
 
 def sampling_of(args):
@@ -251,6 +263,21 @@ def sampling_of(args):
 
     settings = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return None if settings.greedy else settings
+
+
+def typical_of(args):
+    """The TypicalAcceptance of --acceptance typical and --typical-eps/--typical-alpha (None:
+    rejection sampling); errors name the flag."""
+    from megatron_specdec.decoding.sampling import TypicalAcceptance
+
+    if args.acceptance != "typical":
+        if (args.typical_eps, args.typical_alpha) != (TypicalAcceptance.eps,
+                                                      TypicalAcceptance.alpha):
+            raise ValueError("--typical-eps/--typical-alpha need --acceptance typical")
+        return None
+    if args.temperature <= 0 or args.top_k or args.top_p < 1:
+        raise ValueError("--acceptance typical needs --temperature > 0 and no --top-k/--top-p")
+    return TypicalAcceptance(args.typical_eps, args.typical_alpha)
 
 
 def check_draft_model_args(args, vocab_size: int, tokenizer_dir):
@@ -265,14 +292,10 @@ def check_draft_model_args(args, vocab_size: int, tokenizer_dir):
         check_draft_checkpoint(args.draft_model, vocab_size, tokenizer_dir)
 
 
-def check_batch_size(batch_size, tree: bool):
-    """--batch-size is an integer >= 1, and 1 with a tree (the CLI checks it before any rank
-    starts)."""
+def check_batch_size(batch_size):
+    """--batch-size is an integer >= 1 (the CLI checks it before any rank starts)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
-    if batch_size > 1 and tree:
-        raise ValueError(f"--batch-size {batch_size} with a tree (--tree-top-k): tree "
-                         f"drafting takes one prompt at a time")
 
 
 def tree_spec(args):
@@ -297,7 +320,7 @@ def _worker(args):
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
                                  drafter=args.drafter, policy=args.draft_policy,
                                  sampling=sampling_of(args), draft_model=args.draft_model,
-                                 batch_size=args.batch_size)
+                                 batch_size=args.batch_size, typical=typical_of(args))
     if is_rank0():
         print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
                          indent=2))
@@ -315,7 +338,8 @@ def main(argv=None):
                            Path(args.model) / checkpoint.TOKENIZER_DIR)
     tree_spec(args)
     sampling_of(args)
-    check_batch_size(args.batch_size, args.tree_top_k is not None)
+    typical_of(args)
+    check_batch_size(args.batch_size)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 

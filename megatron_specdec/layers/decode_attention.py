@@ -93,13 +93,44 @@ class DecodeCache(StaticInferenceContext):
         values[self._slots, rows] = value
         return keys[: self._end], values[: self._end]
 
-    def compact(self, start: int, slots: Tensor):
-        """Batch 1: move the cached entries at `slots` (ascending, >= start) to start,
-        start + 1, ... and drop every later one (a verified draft tree's accepted path)."""
+    def compact(self, start, slots: Tensor, counts: Optional[Tensor] = None):
+        """Move each row's cached entries at slots[b, :counts[b]] (ascending, >= start[b]) to
+        start[b], start[b] + 1, ... and drop every later one of the row (a verified draft
+        tree's accepted path). start: int or [b]; slots [b, n] ([n]: batch 1); counts [b]
+        (None: n)."""
+        slots = slots.reshape(self.lengths.numel(), -1).cpu()
+        n = slots.shape[1]
+        start = torch.as_tensor(start).cpu().expand(self.lengths.numel())
+        counts = torch.full_like(start, n) if counts is None else torch.as_tensor(counts).cpu()
+        dest = start[:, None] + torch.arange(n)
+        real = torch.arange(n) < counts[:, None]
+        src = torch.where(real, slots, dest)  # padding moves onto itself
+        rows = torch.arange(slots.shape[0])[:, None].expand_as(slots)
         for key, value in self.key_value_memory_dict.values():
-            key[start: start + slots.numel()] = key[slots]
-            value[start: start + slots.numel()] = value[slots]
-        self.lengths[:] = start + slots.numel()
+            # Advanced indexing reads every source before writing: no overlap hazard.
+            key[dest, rows] = key[src, rows]
+            value[dest, rows] = value[src, rows]
+        self.lengths[:] = start + counts
+
+    def keep_rows(self, rows: Tensor):
+        """Keep only the batch rows `rows` (ascending indices), in that order (rows that
+        finished leave the batch)."""
+        rows = rows.cpu()
+        self.key_value_memory_dict = {
+            layer: (key[:, rows.to(key.device)], value[:, rows.to(key.device)])
+            for layer, (key, value) in self.key_value_memory_dict.items()}
+        self.lengths = self.lengths[rows].clone()
+        self.max_batch_size = rows.numel()
+
+    def row(self, b: int) -> "DecodeCache":
+        """A batch-1 view of row b: what is written through it is row b's (a drafter growing
+        one row's tree)."""
+        view = DecodeCache(1, self.max_sequence_length)
+        view.key_value_memory_dict = {layer: (key[:, b: b + 1], value[:, b: b + 1])
+                                      for layer, (key, value) in
+                                      self.key_value_memory_dict.items()}
+        view.lengths = self.lengths[b: b + 1]
+        return view
 
     def blocks(self, layer_number: int):
         """This layer's cache as the block list an EAGLE3 draft layer appends to
