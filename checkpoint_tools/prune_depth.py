@@ -38,12 +38,14 @@ def main(argv=None):
     args = parse_args(argv)
     from megatron_specdec import checkpoint, depth_pruning, distributed
     from megatron_specdec.data import load_tokenizer
-    from megatron_specdec.hf_conversion import base_meta, load_model_for_inference
+    from megatron_specdec.hf_conversion import base_meta
+    from megatron_specdec.loading import load_model
     from megatron_specdec.model_provider import resolve_transformer_impl
 
     checkpoint.check_output_dir(args.out, args.overwrite, "--out")
     distributed.initialize(1, 1)
-    model, config, tokenizer_dir = load_model_for_inference(args.model)
+    loaded = load_model(args.model, with_draft=False)
+    model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
     tokenizer = load_tokenizer(str(tokenizer_dir))
     sample = depth_pruning.conversation_sample(args.data, tokenizer, args.num_tokens)
     importance = depth_pruning.layer_importance(model, sample, config.vocab_size)

@@ -31,10 +31,11 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
     from megatron_specdec import distributed
     from megatron_specdec.data import end_of_turn_ids
     from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import load_model_for_inference
+    from megatron_specdec.loading import load_model
 
     distributed.initialize(tp, pp)
-    model, config, tokenizer_dir = load_model_for_inference(model_path)
+    loaded = load_model(model_path, with_draft=False)
+    model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
                                          add_generation_prompt=True, return_dict=False)

@@ -93,19 +93,6 @@ def model_from_hf(hf_dir, dtype=torch.float32, transformer_impl="auto"):
     return model, config
 
 
-def load_model_for_inference(path, dtype=None):
-    """(model, hf_config, tokenizer_dir) for this rank's TP/PP stage from a megatron_specdec
-    checkpoint, an HF model directory, or 'default' (the embedded SmolLM2). The caller has
-    initialised the process groups (`distributed.initialize`). Here rather than in checkpoint
-    so that checkpoint never imports the conversion code."""
-    path = resolve_model_path(path)
-    if not (path / checkpoint.META_FILE).is_file() and (path / "config.json").is_file():
-        model, config = model_from_hf(path, dtype or torch.float32)
-        return model.eval(), config, path
-    model, config = checkpoint.load_base_model(path, dtype=dtype)
-    return model.eval(), config, path / checkpoint.TOKENIZER_DIR
-
-
 def base_meta(hf_config, model, dtype, transformer_impl) -> dict:
     return {
         "hf_config": hf_config.to_dict(),

@@ -78,15 +78,16 @@ def _pipeline(root, calibration, prompt_ids, out_file):
     """SmolLM2 -> speculative checkpoint whose draft is random but active (weights ~ 1/sqrt(fan
     in), so drafted tokens depend on every input) with a calibrated draft vocabulary; then
     export_full and the Megatron draft's chains."""
-    from megatron_specdec import checkpoint
     from megatron_specdec.export.full_export import export_full
-    from megatron_specdec.hf_conversion import hf_to_megatron, load_model_for_inference
+    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading import load_model
     from megatron_specdec.speculative import (calibrate_draft_vocab, convert, load_speculative,
                                               save_speculative)
 
     hf_to_megatron("default", f"{root}/base")
     distributed.initialize(1, 1)
-    model, hf_config, _ = load_model_for_inference(f"{root}/base")
+    loaded = load_model(f"{root}/base")
+    model, hf_config = loaded.model, loaded.hf_config
     model = convert(model, "eagle3", {"draft_vocab_size": DRAFT_VOCAB, "ttt_steps": STEPS},
                     hf_config=hf_config)
     model.draft.set_draft_vocab(*calibrate_draft_vocab(f"{root}/base", [calibration],
@@ -96,9 +97,7 @@ def _pipeline(root, calibration, prompt_ids, out_file):
         for name, p in model.draft.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if p.dim() == 1 else noise / p.shape[1] ** 0.5)
-    meta = {k: v for k, v in checkpoint.read_meta(f"{root}/base").items()
-            if k not in ("format_version", "saved_tensor_parallel", "saved_pipeline_parallel")}
-    save_speculative(model, f"{root}/spec", meta)
+    save_speculative(model, f"{root}/spec", loaded.base_meta)
     export_full(f"{root}/spec", f"{root}/out")
     model, _, _ = load_speculative(f"{root}/spec")
     with torch.no_grad():

@@ -4,7 +4,8 @@ import torch
 
 from megatron_specdec import checkpoint, distributed
 from megatron_specdec.generation import StageRunner, plain_generate
-from megatron_specdec.hf_conversion import load_model_for_inference, model_from_hf
+from megatron_specdec.hf_conversion import model_from_hf
+from megatron_specdec.loading import load_model
 
 
 def is_writer():
@@ -53,7 +54,7 @@ def lm_loss(model, tokens, loss_mask):
 def checkpoint_loss(tp, pp, ckpt_dir, tokens, out_file):
     """Load a checkpoint at TP x PP and compute the loss on a fixed batch."""
     distributed.initialize(tp, pp)
-    model, _, _ = load_model_for_inference(ckpt_dir)
+    model = load_model(ckpt_dir, with_draft=False).model
     with torch.no_grad():
         loss = lm_loss(model, tokens, torch.ones_like(tokens))
     if is_writer():

@@ -1,6 +1,6 @@
 """Generation backend that runs the target as a Megatron-Core model in this process.
 
-A thin adapter over `megatron_specdec.hf_conversion.load_model_for_inference` and
+A thin adapter over `megatron_specdec.loading.load_model` and
 `megatron_specdec.generation.plain_generate`, imported on construction so that the data
 package (and the OpenAI path) never pull in Megatron. Single process (tp=pp=1).
 """
@@ -17,11 +17,12 @@ class MegatronBackend:
 
     def __init__(self, checkpoint: str = "default", tokenizer=None):
         from megatron_specdec import distributed
-        from megatron_specdec.hf_conversion import load_model_for_inference
         from megatron_specdec.generation import plain_generate
+        from megatron_specdec.loading import load_model
 
         distributed.initialize(tp=1, pp=1)
-        self.model, config, tokenizer_dir = load_model_for_inference(checkpoint)
+        loaded = load_model(checkpoint, with_draft=False)
+        self.model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
         self._generate = plain_generate
         self._vocab_size = config.vocab_size

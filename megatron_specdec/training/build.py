@@ -11,37 +11,14 @@ same global draft weights.
 
 import logging
 
-import torch
 import torch.distributed as dist
 
-from megatron_specdec import checkpoint, spec_config
-from megatron_specdec.speculative import attach, set_draft_vocab
+from megatron_specdec import checkpoint, loading, spec_config
 from megatron_specdec.default_model import resolve_model_path
+from megatron_specdec.speculative import attach, set_draft_vocab
 from megatron_specdec.training.recipe import RecipeError
 
 log = logging.getLogger(__name__)
-
-
-def load_base(recipe):
-    """(base GPTModel stage, hf_config, base meta, tokenizer dir, stored draft entry or None)."""
-    from megatron_specdec.hf_conversion import base_meta, model_from_hf
-    from megatron_specdec.model_provider import build_model, resolve_transformer_impl
-
-    path = resolve_model_path(recipe.model.path)
-    dtype = checkpoint.dtype_from_name(recipe.model.dtype)
-    if not (path / checkpoint.META_FILE).is_file():
-        impl = resolve_transformer_impl(recipe.model.transformer_impl)
-        base, hf_config = model_from_hf(path, dtype, impl)
-        return base, hf_config, base_meta(hf_config, base, dtype, impl), path, None
-    meta = checkpoint.read_meta(path)
-    if "draft" not in meta:  # a base checkpoint: its weights are the frozen base
-        base, hf_config = checkpoint.load_base_model(path, meta, dtype)
-    else:  # a speculative one: build_speculative loads base and draft together
-        hf_config = checkpoint.hf_config_from_meta(meta)
-        base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
-                           transformer_impl=meta["transformer_impl"])
-    return (base, hf_config, checkpoint.base_meta_of(meta), path / checkpoint.TOKENIZER_DIR,
-            meta.get("draft"))
 
 
 def draft_config(recipe, hf_config, stored=None):
@@ -79,22 +56,27 @@ def _calibrated_vocab(recipe, tokenizer, cfg, vocab_size):
 
 def build_speculative(recipe, calibrate: bool = True):
     """(model, hf_config, base meta, tokenizer, tokenizer dir). The tokenizer is the model's
-    unless the recipe names one; `calibrate=False` when a checkpoint supplies the draft."""
+    unless the recipe names one; `calibrate=False` when a checkpoint supplies the draft. The
+    model loads through the front door (loading.load_model); the draft config is checked
+    against a speculative checkpoint's before any weight is read."""
     from megatron_specdec.data import load_tokenizer
 
-    base, hf_config, meta, tokenizer_dir, stored = load_base(recipe)
-    cfg = draft_config(recipe, hf_config, stored)
+    source = loading.identify(recipe.model.path)
+    cfg = draft_config(recipe, source.hf_config, source.draft)
+    loaded = loading.load_model(source, checkpoint.dtype_from_name(recipe.model.dtype),
+                                recipe.model.transformer_impl)
+    hf_config, tokenizer_dir = loaded.hf_config, loaded.tokenizer_dir
     if recipe.data.tokenizer is not None:
         tokenizer_dir = resolve_model_path(recipe.data.tokenizer)
     tokenizer = load_tokenizer(str(tokenizer_dir))
+    if loaded.draft is not None:  # a speculative checkpoint: base and draft loaded together
+        return loaded.model.train(), hf_config, loaded.base_meta, tokenizer, tokenizer_dir
     try:
-        model = attach(base, cfg, hf_config, tokenizer_dir)
+        model = attach(loaded.model.train(), cfg, hf_config, tokenizer_dir)
     except (checkpoint.CheckpointError, ValueError) as e:
         if cfg.algo != "draft_model":
             raise
         raise RecipeError(f"recipe key 'draft.config.model': {e}") from None
-    if stored is not None:
-        checkpoint.load_checkpoint(model, resolve_model_path(recipe.model.path))
-    elif (calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size):
+    if calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size:
         set_draft_vocab(model, *_calibrated_vocab(recipe, tokenizer, cfg, hf_config.vocab_size))
-    return model, hf_config, meta, tokenizer, tokenizer_dir
+    return model, hf_config, loaded.base_meta, tokenizer, tokenizer_dir
