@@ -1,15 +1,18 @@
-"""Conversion time and peak memory. SmolLM2-135M-Instruct (float32): HF -> Megatron at TP=1
-and TP=2, and back to HF. llama1b: a random Llama-3.2-1B-shaped model (1.24B parameters:
-hidden 2048, 16 layers, 32/8 heads, ffn 8192, vocabulary 128256, tied; written here as
-bf16 safetensors in a temporary directory), HF -> Megatron in bf16 at TP=1 and TP=2. Each
-conversion runs as its own command-line process (TP=2 spawns 2 ranks); peak memory is the
-largest total RSS of the process tree, and of its largest process (a rank).
+"""Conversion time and peak memory. SmolLM2-135M-Instruct (float32) and llama1b, a random
+Llama-3.2-1B-shaped model (1.24B parameters: hidden 2048, 16 layers, 32/8 heads, ffn 8192,
+vocabulary 128256, tied; written here as bf16 safetensors in a temporary directory): HF ->
+Megatron at TP=1 and TP=2, and back to HF from each checkpoint. Each conversion runs as its
+own command-line process (TP=2 spawns 2 ranks); peak memory is the largest total RSS of the
+process tree, and of its largest process (a rank).
 
     python bench/bench_conversion.py [--models smollm2 llama1b] [--code DIR --label NAME]
+                                     [--export-code DIR --export-label NAME] [--draft CKPT]
 
 `--code` runs the converters of another checkout (e.g. a `git worktree` of an earlier
-commit) for a before/after table. Rows are merged into bench/results/conversion.json by
-(model, label, direction, TP).
+commit) for a before/after table; `--export-code` also exports each checkpoint with another
+checkout's converter (the import runs once). `--draft` exports the draft of a speculative
+checkpoint (export_draft.py) with each checkout. Rows are merged into
+bench/results/conversion.json by (model, label, direction, TP).
 """
 
 import argparse
@@ -53,22 +56,28 @@ def write_random_llama(out: Path) -> Path:
     return out
 
 
-def convert(code: Path, tmp: Path, model: str, hf_dir, tp: int, dtype: str, export: bool):
-    env = dict(os.environ, PYTHONPATH=str(code))  # ahead of the installed (editable) package
+def convert(codes, tmp: Path, model: str, hf_dir, tp: int, dtype: str):
+    """Import with the first of `codes` [(label, checkout)], then export the checkpoint with
+    each of them."""
     ckpt = tmp / f"{model}_tp{tp}"
-    runs = [("hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--hf_path", hf_dir,
-                                "--out", ckpt, "--tp", str(tp), "--dtype", dtype])]
-    if export:
-        runs.append(("megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--ckpt", ckpt,
-                                        "--out", tmp / f"{model}_hf{tp}"]))
-    rows = []
-    for direction, cmd in runs:
-        seconds, tree, one = measure([sys.executable, code / cmd[0], *cmd[1:]], env=env)
-        rows.append({"model": model, "direction": direction, "tp": tp, "dtype": dtype,
-                     "seconds": seconds, "peak_rss_mib": tree, "peak_rss_per_process_mib": one,
-                     "load_avg": os.getloadavg()[0]})
-        print(rows[-1], flush=True)
-    return rows
+    runs = [(codes[0], "hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--hf_path",
+                                          hf_dir, "--out", ckpt, "--tp", str(tp),
+                                          "--dtype", dtype])]
+    runs += [(code, "megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--ckpt", ckpt,
+                                       "--out", tmp / f"{model}_hf{tp}_{i}"])
+             for i, code in enumerate(codes)]
+    return [run(code, model, direction, tp, dtype, cmd) for code, direction, cmd in runs]
+
+
+def run(code, model, direction, tp, dtype, cmd):
+    label, path = code
+    env = dict(os.environ, PYTHONPATH=str(path))  # ahead of the installed (editable) package
+    seconds, tree, one = measure([sys.executable, path / cmd[0], *cmd[1:]], env=env)
+    row = {"model": model, "direction": direction, "tp": tp, "dtype": dtype, "label": label,
+           "seconds": seconds, "peak_rss_mib": tree, "peak_rss_per_process_mib": one,
+           "load_avg": os.getloadavg()[0]}
+    print(row, flush=True)
+    return row
 
 
 def main():
@@ -79,26 +88,36 @@ def main():
     p.add_argument("--code", type=Path, default=REPO, help="checkout whose converters run")
     p.add_argument("--label", default="now")
     p.add_argument("--tps", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--export-code", type=Path, help="checkout whose megatron_to_hf also runs")
+    p.add_argument("--export-label", default="before")
+    p.add_argument("--draft", type=Path, help="speculative checkpoint whose draft is exported")
     args = p.parse_args()
+    codes = [(args.label, args.code.resolve())]
+    if args.export_code:
+        codes.append((args.export_label, args.export_code.resolve()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        if args.draft:
+            rows += [run(code, args.draft.name, "export_draft", 0, "as saved",
+                         ["checkpoint_tools/export_draft.py", "--ckpt", args.draft.resolve(),
+                          "--out", tmp / f"draft_{i}"]) for i, code in enumerate(codes)]
         for model in args.models:
             if model == "smollm2":
-                hf_dir, dtype, export = default_model_dir(), "float32", True
+                hf_dir, dtype = default_model_dir(), "float32"
             else:
-                hf_dir, dtype, export = write_random_llama(tmp / "llama1b"), "bfloat16", False
+                hf_dir, dtype = write_random_llama(tmp / "llama1b"), "bfloat16"
             for tp in args.tps:
-                rows += convert(args.code.resolve(), tmp, model, hf_dir, tp, dtype, export)
+                rows += convert(codes, tmp, model, hf_dir, tp, dtype)
                 for old in tmp.glob(f"{model}_*"):  # free the disk before the next run
                     shutil.rmtree(old.resolve())  # checkpoints are links to versioned dirs
                     old.unlink(missing_ok=True)
+    print(f"{'model':<13}{'label':<12}{'direction':<16}{'TP':>4}{'seconds':>10}"
+          f"{'peak RSS MiB':>14}{'per process':>13}")
     for r in rows:
-        r["label"] = args.label
-    print(f"{'model':<9}{'direction':<16}{'TP':>4}{'seconds':>10}{'peak RSS MiB':>14}{'per process':>13}")
-    for r in rows:
-        print(f"{r['model']:<9}{r['direction']:<16}{r['tp']:>4}{r['seconds']:>10.1f}"
-              f"{r['peak_rss_mib']:>14.0f}{r['peak_rss_per_process_mib']:>13.0f}")
+        print(f"{r['model']:<13}{r['label']:<12}{r['direction']:<16}{r['tp']:>4}"
+              f"{r['seconds']:>10.1f}{r['peak_rss_mib']:>14.0f}"
+              f"{r['peak_rss_per_process_mib']:>13.0f}")
     out = REPO / "bench" / "results" / "conversion.json"
     result = json.loads(out.read_text()) if out.is_file() else {}
     key = lambda r: (r.get("model", "smollm2"), r.get("label", "now"), r["direction"], r["tp"])  # noqa: E731
