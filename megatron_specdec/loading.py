@@ -72,6 +72,11 @@ def identify(source) -> Source:
                                f"expected {FORMS}") from None
     if (path / checkpoint.META_FILE).is_file():
         meta = checkpoint.read_meta(path)
+        if "training_checkpoint" in meta:  # it holds no base weights to build a model from
+            raise ModelSourceError(
+                f"model source {path} is a training checkpoint (draft and optimizer state, no "
+                f"base): resume it with its recipe, or export its draft with "
+                f"checkpoint_tools/export_draft.py; expected {FORMS}")
         form = SPECULATIVE if "draft" in meta else BASE
         return Source(path, form, checkpoint.hf_config_from_meta(meta), meta)
     if path.is_dir() and (path / "config.json").is_file():

@@ -2,6 +2,9 @@
 checkpoint and its base alone load to the same base logits; 'default' is the embedded model;
 a source that is none of these is refused naming the path and the forms accepted."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -78,3 +81,11 @@ def test_bad_sources_name_the_path_and_the_forms(sources, tmp_path):
     with pytest.raises(checkpoint.CheckpointError,
                        match=rf"{sources['base']} is a base checkpoint: it holds no draft"):
         loading.load_model(sources["base"], need_draft=True)
+    # A trainer's checkpoint (draft and optimizer state only) is named as such.
+    trainer = tmp_path / "trainer"
+    shutil.copytree(sources["base"].resolve(), trainer)
+    meta = json.loads((trainer / checkpoint.META_FILE).read_text())
+    meta["training_checkpoint"] = {"draft": {"algo": "eagle3"}, "step": 1}
+    (trainer / checkpoint.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(loading.ModelSourceError, match=rf"{trainer} is a training checkpoint"):
+        loading.load_model(trainer)
