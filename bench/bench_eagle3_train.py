@@ -60,7 +60,7 @@ def _gather_max(value: float) -> float:
 def train_worker(tp, ttt_list, seq_len, steps, draft_vocab, out_file):
     from megatron_specdec.speculative import convert
     from megatron_specdec.hf_conversion import model_from_hf
-    from megatron_specdec.spec_model import forward_backward
+    from megatron_specdec.training.schedule import forward_backward
 
     distributed.initialize(tp, 1)
     base, hf = model_from_hf("default")

@@ -7,10 +7,10 @@ draft vocabulary; the draft ids whose targets a rank holds form one contiguous r
 the rank that holds the matching draft column. Softmax normalisers and the per-token sums
 are then combined with all-reduces, and the backward pass is the local `q - p`.
 
-EAGLE3's loss also never holds the logits of every scored position: base and draft logits
-are formed LOSS_CHUNK_ROWS positions at a time, and each draft chunk's head and
-cross-entropy are recomputed in the backward pass, so a step keeps only the scored hidden
-states, the fp32 targets and a chunk of logits.
+EAGLE3's loss also never holds the logits of more than LOSS_CHUNK_ROWS scored positions:
+base and draft logits are formed that many positions at a time, and when a micro-batch
+scores more, each draft chunk's head and cross-entropy are recomputed in the backward pass,
+so a step keeps only the scored hidden states, the fp32 targets and a chunk of logits.
 """
 
 from typing import Callable, List, Optional, Tuple
@@ -182,8 +182,9 @@ def eagle3_loss(step_hidden: List[Tensor], head: Callable, target: Tensor, base_
     draft's last hidden states [n, 1, h] at those positions, `head` maps them to this rank's
     draft logits [n, 1, Dp/TP]; target, base_top: `eagle3_targets` of the base one position
     later (the draft output at u scores token u+2 against the base at u+1); masks: [steps, n]
-    (`chain_masks` at those positions). The head and cross-entropy run `chunk_rows`
-    positions at a time and are recomputed in backward (only [n, h] states are kept).
+    (`chain_masks` at those positions). Past `chunk_rows` positions the head and
+    cross-entropy run `chunk_rows` at a time and are recomputed in backward (only [n, h]
+    states are kept); up to it they run once and keep their logits, which is faster.
 
     As upstream EAGLE-3: a position whose base top-1 token is outside the draft vocabulary
     adds no loss (the draft cannot emit that token) but counts in the accuracy's
@@ -194,9 +195,12 @@ def eagle3_loss(step_hidden: List[Tensor], head: Callable, target: Tensor, base_
     total = 0.0
     stats = {"step_loss": [], "step_correct": [], "step_count": []}
     for k, hidden in enumerate(step_hidden):
-        chunks = [checkpoint(_head_cross_entropy, head, h, p, valid, draft_offset,
-                             use_reentrant=False)
-                  for h, p in zip(hidden.split(chunk_rows), target.split(chunk_rows))]
+        pieces = list(zip(hidden.split(chunk_rows), target.split(chunk_rows)))
+        if len(pieces) == 1:  # small enough to keep: no recompute, no extra head product
+            chunks = [_head_cross_entropy(head, *pieces[0], valid, draft_offset)]
+        else:
+            chunks = [checkpoint(_head_cross_entropy, head, h, p, valid, draft_offset,
+                                 use_reentrant=False) for h, p in pieces]
         ce = torch.cat([c for c, _ in chunks])
         draft_top = torch.cat([t for _, t in chunks])
         step_sum = (ce * (masks[k] * in_vocab)).sum()
