@@ -135,8 +135,8 @@ def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, referen
         return result.tokens
 
     class GreedyPath(SpeculativeGenerator):
-        def _accept_tree(self, tokens, parents, logits):
-            return tree_verify(tokens, parents, logits)
+        def _accept_tree(self, tokens, parents, logits, sizes):
+            return tree_verify(tokens, parents, logits, sizes)
 
     wrong = _generator(model, greedy, GreedyPath, spec)
 
