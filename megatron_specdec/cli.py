@@ -26,10 +26,12 @@ BENIGN_WARNINGS = (
 )
 
 
-def setup_logging():
+def setup_logging(level=None):
+    """One log format for every tool; `level` (a logging level name) overrides INFO on rank 0
+    and WARNING elsewhere."""
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
-        level=logging.INFO if rank == "0" else logging.WARNING,
+        level=level or (logging.INFO if rank == "0" else logging.WARNING),
         format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
     )
     logging.getLogger("megatron").setLevel(logging.WARNING)

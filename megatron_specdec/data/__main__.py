@@ -4,6 +4,7 @@ import argparse
 import logging
 import sys
 
+from megatron_specdec.cli import setup_logging
 from megatron_specdec.data.jsonl import ON_ERROR_CHOICES, DataError
 from megatron_specdec.data.openai_backend import BackendError
 from megatron_specdec.data.sources import PRESETS, TRAIN_PRESETS
@@ -243,9 +244,7 @@ def main(argv=None):
     p.set_defaults(func=_sources)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level.upper())
     try:
         args.func(args)
     except (DataError, BackendError, FileNotFoundError, ImportError) as e:
