@@ -114,6 +114,9 @@ def main(argv=None):
           f"{ship['speculative_tokens_per_s']:.1f} tokens/s vs plain greedy "
           f"{ship['greedy_tokens_per_s']:.1f} ({ship['speedup']:.2f}x); identical to greedy: "
           f"{ship['identical_to_greedy']}")
+    print(f"                    ({ship['draft_policy']} draft length: "
+          f"{ship['overall']['mean_drafted']:.2f} tokens drafted a round on average; the policy "
+          f"drafts only where the draft has been paying)")
     print("seconds: " + ", ".join(f"step {k.split(' ', 1)[0]} {v}" for k, v in timings.items()))
     for r in (report, ship):
         identical, compared = r["identical_to_greedy"].split("/")
