@@ -10,7 +10,10 @@ hits all of them alike:
 - the project's plain greedy (`generation.plain_generate`);
 - the project's speculative generation: the draft module with a fixed chain of k and with the
   adaptive draft length (default), optionally a tree, and n-gram (prompt lookup) drafting;
-  with --draft-model, a separate GPT of the same vocabulary drafting (fixed k and adaptive).
+  with --draft-model, a separate GPT of the same vocabulary drafting (fixed k and adaptive),
+  and with --draft-model-hf (its `megatron_to_hf` export) transformers' assisted generation
+  (`assistant_model=`, a constant k = --num-draft-tokens or 3) with the same pair; its
+  acceptance length is tokens per target forward.
 
 - vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy, n-gram (k=3) and, with
   --vllm-eagle3 DIR, EAGLE3 with that HF draft (e.g. models/eagle3_smollm2; k =
@@ -96,6 +99,7 @@ def methods(args, model, hf_dir, eos, tree):
     runs = {
         "transformers greedy": hf_runner(hf_model, eos, n),
         "transformers prompt lookup": hf_runner(hf_model, eos, n, prompt_lookup_num_tokens=10),
+        **assisted_runs(args, hf_dir, type(hf_model), eos),
         "project greedy": lambda ids: (
             plain_generate(model.base, [ids], n, model.vocab_size, eos)[0], None),
     }
@@ -111,6 +115,46 @@ def methods(args, model, hf_dir, eos, tree):
     for name, generator in drafts.items():
         runs[name] = spec_runner(generator, n, eos)
     return runs, hf_model
+
+
+def counted(cls):
+    """A subclass of the HF model class `cls` that counts its forward calls (class-wide)."""
+    class Counted(cls):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            Counted.calls += 1
+            return super().forward(*args, **kwargs)
+
+    return Counted
+
+
+def assisted_runs(args, hf_dir, model_class, eos):
+    """{"transformers assisted (draft model)": run} with --draft-model-hf, else {}: the
+    target (fp32, its forward calls counted) with the exported draft model (fp32 too: bf16
+    matmuls are slower on this CPU) as `assistant_model`."""
+    from transformers import AutoModelForCausalLM
+
+    if args.draft_model_hf is None:
+        return {}
+    if args.draft_model is None:
+        raise SystemExit("--draft-model-hf goes with --drafter draft-model --draft-model CKPT "
+                         "(the checkpoint it was exported from)")
+    if not (Path(args.draft_model_hf) / "config.json").is_file():
+        raise SystemExit(f"--draft-model-hf {args.draft_model_hf}: no config.json there "
+                         f"(expected an HF directory, as megatron_to_hf writes)")
+    target = counted(model_class).from_pretrained(hf_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft_model_hf,
+                                                 dtype=torch.float32).eval()
+    k = args.num_draft_tokens or 3
+    run = hf_runner(target, eos, args.max_new_tokens, assistant_model=draft,
+                    num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                    assistant_confidence_threshold=0.0)
+    run.target = target
+    return {ASSISTED: run}
+
+
+ASSISTED = "transformers assisted (draft model)"
 
 
 def draft_model_generators(args, model, policies):
@@ -151,6 +195,9 @@ def main():
                    help="also run this drafter (beside the draft module and n-gram)")
     p.add_argument("--draft-model", default=None,
                    help="--drafter draft-model: a GPT checkpoint of the target's vocabulary")
+    p.add_argument("--draft-model-hf", default=None,
+                   help="the HF export of --draft-model (megatron_to_hf): adds transformers' "
+                        "assisted generation with the same draft")
     p.add_argument("--tree-top-k", type=int, default=None,
                    help="also draft a tree with this branching")
     p.add_argument("--tree-max-nodes", type=int, default=None)
@@ -231,6 +278,9 @@ def main():
                             for d in r.drafted])["acceptance_length"]
                            for c in sorted({c for c, _ in prompts})})
         report[name] = row
+    if ASSISTED in runs:  # tokens per target forward (each verifies a batch of candidates)
+        report[ASSISTED]["acceptance_length"] = (stats[ASSISTED]["tokens"]
+                                                 / type(runs[ASSISTED].target).calls)
     engine = vllm_rows(served_base, prompts, eos, base["outputs"], hf_rate, own_rate, args)
     report.update(engine)
     batched = batch_throughput(model, hf_model, prompts, eos, args)
@@ -253,10 +303,10 @@ def main():
     plot(report, out.with_suffix(".png"), what)
     print(f"\n{what}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"{'method':30}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'AL':>6}{'drafted':>8}"
+    print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'AL':>6}{'drafted':>8}"
           f"{'same':>6}  time: draft/base/rest")
     for name, row in report.items():
-        line = (f"{name:30}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
+        line = (f"{name:36}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
                 f"{row['vs_project_greedy']:>8.2f}")
         if "time_share" in row:
             share = row["time_share"]
