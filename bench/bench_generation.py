@@ -18,7 +18,8 @@ hits all of them alike:
 - vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy, n-gram (k=3) and, with
   --vllm-eagle3 DIR, EAGLE3 with that HF draft (e.g. models/eagle3_smollm2; k =
   --num-draft-tokens, else 3), in its own process on the same prompts and stopping at the
-  same end-of-turn ids (engines/vllm_client.py).
+  same end-of-turn ids (engines/vllm_client.py); with --draft-model-hf also vLLM's draft
+  model (`"method": "draft_model"`) with that export.
 
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
@@ -351,9 +352,11 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
     if args.no_vllm:
         return {}
     runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
+    k = args.num_draft_tokens or 3
     if args.vllm_eagle3:
-        k = args.num_draft_tokens or 3
         runs[f"vllm eagle3 k={k}"] = vllm_client.eagle3_config(args.vllm_eagle3, k)
+    if args.draft_model_hf:
+        runs[f"vllm draft model k={k}"] = vllm_client.draft_model_config(args.draft_model_hf, k)
     try:
         results = vllm_client.generate(model_dir, [ids for _, ids in prompts],
                                        args.max_new_tokens, runs, stop_token_ids=eos)
