@@ -7,6 +7,13 @@ finished, so a directory with that name is complete by construction; one without
 metadata file (an interrupted save) is refused. Its pickled files are vetted before any load
 (pickle_guard): a checkpoint that would run code is refused without running it.
 
+No pickled objects are written or read. megatron's linear layers put `<module>._extra_state`
+in `sharded_state_dict()` as ShardedObjects, which dist_checkpointing pickles on save and
+unpickles with `torch.load(weights_only=False)` on load. They hold nothing without fp8 (None
+for local layers, an empty tensor for TE without an fp8 recipe), so a save leaves them out (one
+holding fp8 metadata is refused by key: fp8 training state is not supported) and a load never
+requests them: a Megatron/NeMo checkpoint written with TE loads without its pickles read.
+
 Commit (`commit_dir`): the path is a relative symlink to a hidden versioned sibling
 (`.<name>.v-<id>`). A new version is renamed to its final name, a new link to it is made
 under a temporary name, and `os.replace` swaps the link in: POSIX rename is atomic, so a
@@ -156,7 +163,7 @@ def save_checkpoint(model, path, meta: dict, tokenizer_dir=None, overwrite: bool
     try:
         if sharded_state_dict is None:
             sharded_state_dict = model.sharded_state_dict()
-        dist_checkpointing.save(sharded_state_dict, str(tmp))
+        dist_checkpointing.save(_tensors_to_save(sharded_state_dict), str(tmp))
         _barrier()
         if _rank0():
             record = dict(meta)
@@ -224,15 +231,80 @@ def hf_config_from_meta(meta: dict):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
-def load_checkpoint(model, path, sharded_state_dict=None):
-    """Load a complete checkpoint into `model` at the current TP/PP layout (resharding)."""
+def tensors_only(sharded_state_dict) -> dict:
+    """`sharded_state_dict` (nested) without its ShardedObjects: what a load requests, so no
+    stored object is unpickled whatever the checkpoint holds."""
+    return _split_objects(sharded_state_dict)[1]
+
+
+def _split_objects(sharded_state_dict):
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    objects, rest = extract_matching_values(sharded_state_dict,
+                                            lambda v: isinstance(v, ShardedObject))
+    return objects, rest
+
+
+def _tensors_to_save(sharded_state_dict) -> dict:
+    """`sharded_state_dict` without its `_extra_state` objects, refusing any that holds data
+    (TE fp8 metadata) or any other object, by key, rather than pickling or dropping it."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    objects, rest = _split_objects(sharded_state_dict)
+    for obj in nested_values(objects):
+        if not obj.key.endswith("_extra_state"):
+            raise CheckpointError(
+                f"{obj.unique_key}: a ShardedObject (stored as a pickle, which checkpoints of "
+                f"this project never hold); store it as tensors or JSON metadata")
+        if not _holds_nothing(obj.data):
+            raise CheckpointError(
+                f"{obj.unique_key} holds data ({type(obj.data).__name__}): Transformer "
+                f"Engine fp8 metadata, which would be stored as a pickle; fp8 training state "
+                f"is not supported, save without an fp8 recipe")
+    return rest
+
+
+def _holds_nothing(data) -> bool:
+    """An `_extra_state` without content: None (local layers), an empty tensor (TE >= 2.0
+    without fp8) or a buffer of a saved None (TE < 2.0 without fp8)."""
+    import io
+    import pickle
+
+    if data is None or (torch.is_tensor(data) and data.numel() == 0):
+        return True
+    if isinstance(data, io.BytesIO):
+        data.seek(0)
+        try:
+            return torch.load(data, weights_only=True) is None
+        except pickle.UnpicklingError:  # fp8 state that is more than plain tensors
+            return False
+    return False
+
+
+def load_state(module, state: dict, path):
+    """`module.load_state_dict(state)` with its `_extra_state` keys allowed missing (never
+    stored) and any other missing or unexpected key an error naming it."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the checkpoint's tensors do not match the model (missing from the "
+            f"checkpoint: {missing}; not in the model: {unexpected})")
+
+
+def load_sharded(sharded_state_dict, path) -> dict:
+    """dist_checkpointing.load of the tensors of `sharded_state_dict` (no stored object is
+    read) from a complete, vetted checkpoint."""
     from megatron.core import dist_checkpointing
 
     read_meta(path)
-    if sharded_state_dict is None:
-        sharded_state_dict = model.sharded_state_dict()
-    state = dist_checkpointing.load(sharded_state_dict, str(path))
-    model.load_state_dict(state)
+    return dist_checkpointing.load(tensors_only(sharded_state_dict), str(path))
+
+
+def load_checkpoint(model, path):
+    """Load a complete checkpoint into `model` at the current TP/PP layout (resharding)."""
+    load_state(model, load_sharded(model.sharded_state_dict(), path), path)
     return model
 
 

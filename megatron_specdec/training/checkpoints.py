@@ -87,13 +87,13 @@ def set_rng_tensors(state: dict):
 
 # ---- sharded state -------------------------------------------------------------------------
 def _sharded_state(model, optimizer, rng: Optional[dict]) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    """The draft's sharded state (its `_extra_state` objects are left out by checkpoint's save
+    and load), its optimizer state and the RNG rows."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     sd = {}
     if model.draft is not None:
-        # TE's `_extra_state` entries are pickled objects that hold nothing without fp8.
-        draft_sd = {k: v for k, v in model.draft.sharded_state_dict(prefix=f"{model.algo}.").items()
-                    if not isinstance(v, ShardedObject)}
+        draft_sd = model.draft.sharded_state_dict(prefix=f"{model.algo}.")
         sd["model"] = draft_sd
         sd["optimizer"] = optimizer.sharded_state_dict(draft_sd)
     if rng is not None:
@@ -174,8 +174,6 @@ def check_base(path, meta: dict, fingerprint: dict):
 def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
     """Restore draft weights, optimizer state and RNG from a verified checkpoint (any
     layout) trained over the base whose `fingerprint` is given."""
-    from megatron.core import dist_checkpointing
-
     meta = checkpoint.read_meta(path)
     _refuse_objects(path)
     check_compatible(path, meta, model)
@@ -183,15 +181,11 @@ def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
     record = meta["training_checkpoint"]
     same_world = record["world_size"] == dist.get_world_size()
     template = _sharded_state(model, optimizer, rng_tensors() if same_world else None)
-    loaded = dist_checkpointing.load(template, str(path))
+    loaded = checkpoint.load_sharded(template, path)
     if model.draft is not None:
-        missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-        missing = [k for k in missing
-                   if k.startswith(f"{model.algo}.") and not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise checkpoint.CheckpointError(
-                f"{path}: draft weights do not match the model (missing {missing}, "
-                f"unexpected {unexpected})")
+        prefix = f"{model.algo}."
+        checkpoint.load_state(model.draft, {k[len(prefix):]: v for k, v in loaded["model"].items()},
+                              path)
     optimizer.load(loaded.get("optimizer"), record["adam_step"], record["loss_scale"])
     if same_world:
         set_rng_tensors({k: v[0] for k, v in loaded["rng"].items()})  # this rank's row
