@@ -87,14 +87,15 @@ def identify(source) -> Source:
 
 
 def load_model(source, dtype=None, transformer_impl="auto", with_draft=True,
-               need_draft=False) -> LoadedModel:
+               need_draft=False, recompute=False) -> LoadedModel:
     """This rank's stage of the model at `source` (see the module notes), in eval mode.
 
     dtype: the parameters' (None: a checkpoint's own, float32 for an HF directory);
     transformer_impl: the layer implementation of a model built from an HF directory (a
     checkpoint is rebuilt with the one it was saved with); with_draft: a speculative
     checkpoint loads as its SpeculativeGPTModel (False: its base alone); need_draft: refuse a
-    source without a draft module, naming it."""
+    source without a draft module, naming it; recompute: a loaded EAGLE3 draft recomputes its
+    layer in backward (speculative.build_draft)."""
     from megatron_specdec import hf_conversion
     from megatron_specdec.model_provider import resolve_transformer_impl
 
@@ -112,7 +113,7 @@ def load_model(source, dtype=None, transformer_impl="auto", with_draft=True,
     if src.form == SPECULATIVE and with_draft:
         from megatron_specdec.speculative import load_speculative
 
-        model, config, _ = load_speculative(src.path, dtype)
+        model, config, _ = load_speculative(src.path, dtype, recompute=recompute)
         draft = src.draft
     else:  # a speculative checkpoint's base keys are a base checkpoint's
         model, config = checkpoint.load_base_model(src.path, src.meta, dtype)

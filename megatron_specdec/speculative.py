@@ -24,17 +24,23 @@ def _base_lm_head(model):
     return model.output_layer.weight
 
 
-def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int = 1234):
+def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int = 1234,
+                recompute: bool = False):
     """This stage's draft module (None before the last stage), initialised from its own seed
-    so a conversion is reproducible whatever the base stage consumed of the random stream."""
+    so a conversion is reproducible whatever the base stage consumed of the random stream.
+    `recompute`: the draft's config asks for megatron's full-layer recompute (the base's
+    does not change)."""
     if not model.post_process:
         return None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return _new_draft(model, cfg, vocab_size, real_query_groups, seed).to(device())
+        return _new_draft(model, cfg, vocab_size, real_query_groups, seed,
+                          recompute).to(device())
 
 
-def _new_draft(model, cfg, vocab_size, real_query_groups, seed):
+def _new_draft(model, cfg, vocab_size, real_query_groups, seed, recompute):
+    import dataclasses
+
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_specdec.layers import specs
@@ -42,6 +48,9 @@ def _new_draft(model, cfg, vocab_size, real_query_groups, seed):
     from megatron_specdec.weights import eagle3_init
 
     config = model.config
+    if recompute:
+        config = dataclasses.replace(config, recompute_granularity="full",
+                                     recompute_method="uniform", recompute_num_layers=1)
     if cfg.algo == "medusa":
         draft = MedusaHeads(config, cfg.medusa_num_heads, cfg.medusa_num_layers, vocab_size,
                             model.vocab_size)
@@ -81,17 +90,19 @@ def load_draft_gpt(path, dtype, vocab_size: int, tokenizer_dir=None):
     return DraftGPT(gpt.requires_grad_(True).train())
 
 
-def attach(model, cfg, hf_config=None, tokenizer_dir=None) -> SpeculativeGPTModel:
+def attach(model, cfg, hf_config=None, tokenizer_dir=None,
+           recompute: bool = False) -> SpeculativeGPTModel:
     """Wrap `model` with the draft described by an already validated config (a draft GPT is
     read from `cfg.model` on every rank and kept on the last stage; `tokenizer_dir`: the
-    base's, which its tokenizer must equal)."""
+    base's, which its tokenizer must equal; `recompute`: see build_draft)."""
     vocab_size = hf_config.vocab_size if hf_config is not None else model.vocab_size
     if cfg.algo == "draft_model":
         draft = load_draft_gpt(cfg.model, model.config.params_dtype, vocab_size, tokenizer_dir)
         return SpeculativeGPTModel(model, cfg, draft if model.post_process else None, vocab_size)
     groups = (families.query_groups(hf_config) if hf_config is not None
               else model.config.num_query_groups)
-    return SpeculativeGPTModel(model, cfg, build_draft(model, cfg, vocab_size, groups), vocab_size)
+    draft = build_draft(model, cfg, vocab_size, groups, recompute=recompute)
+    return SpeculativeGPTModel(model, cfg, draft, vocab_size)
 
 
 def convert(model, algo, config=None, hf_config=None) -> SpeculativeGPTModel:
@@ -114,8 +125,9 @@ def speculative_meta(base_meta: dict, cfg) -> dict:
     return meta
 
 
-def load_speculative(path, dtype=None, transformer_impl=None):
-    """(speculative model, hf_config, meta) of a speculative checkpoint at the current TP/PP."""
+def load_speculative(path, dtype=None, transformer_impl=None, recompute: bool = False):
+    """(speculative model, hf_config, meta) of a speculative checkpoint at the current TP/PP
+    (`recompute`: see build_draft)."""
     from megatron_specdec.model_provider import build_model
 
     meta = checkpoint.read_meta(path)
@@ -125,7 +137,7 @@ def load_speculative(path, dtype=None, transformer_impl=None):
     dtype = dtype or checkpoint.dtype_from_name(meta["dtype"])
     base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
                        transformer_impl=transformer_impl or meta["transformer_impl"])
-    model = attach(base, spec_config.from_dict(meta["draft"]), hf_config)
+    model = attach(base, spec_config.from_dict(meta["draft"]), hf_config, recompute=recompute)
     checkpoint.load_checkpoint(model, path)
     return model, hf_config, meta
 

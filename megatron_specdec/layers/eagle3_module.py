@@ -68,8 +68,9 @@ class Eagle3Module(MegatronModule):
             persistent=False,
         )
         self._pads = bool(self._padded_ids.any())  # TP ranks without padded columns skip masking
-        # Megatron's switch for recomputing whole layers: in training-time test each draft
-        # layer then keeps only its inputs and this step's keys/values per unrolled step.
+        # Megatron's switch for recomputing whole layers, set on the draft's config by the
+        # recipe key training.recompute (speculative.build_draft): in training-time test each
+        # draft layer then keeps only its inputs and this step's keys/values per unrolled step.
         self.recompute = config.recompute_granularity == "full"
 
     def target_ids(self) -> Tensor:

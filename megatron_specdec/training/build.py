@@ -64,7 +64,8 @@ def build_speculative(recipe, calibrate: bool = True):
     source = loading.identify(recipe.model.path)
     cfg = draft_config(recipe, source.hf_config, source.draft)
     loaded = loading.load_model(source, checkpoint.dtype_from_name(recipe.model.dtype),
-                                recipe.model.transformer_impl)
+                                recipe.model.transformer_impl,
+                                recompute=recipe.training.recompute)
     hf_config, tokenizer_dir = loaded.hf_config, loaded.tokenizer_dir
     if recipe.data.tokenizer is not None:
         tokenizer_dir = resolve_model_path(recipe.data.tokenizer)
@@ -72,7 +73,8 @@ def build_speculative(recipe, calibrate: bool = True):
     if loaded.draft is not None:  # a speculative checkpoint: base and draft loaded together
         return loaded.model.train(), hf_config, loaded.base_meta, tokenizer, tokenizer_dir
     try:
-        model = attach(loaded.model.train(), cfg, hf_config, tokenizer_dir)
+        model = attach(loaded.model.train(), cfg, hf_config, tokenizer_dir,
+                       recompute=recipe.training.recompute)
     except (checkpoint.CheckpointError, ValueError) as e:
         if cfg.algo != "draft_model":
             raise

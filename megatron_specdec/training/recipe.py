@@ -76,6 +76,9 @@ class TrainingConfig:
     seed: int = 1234
     mode: str = "online"  # online: base states computed each step; offline: dumped once
     offline_dir: Optional[str] = None  # default: <output_dir>/offline_states
+    # EAGLE3: recompute each draft layer in backward (megatron's recompute_granularity=full
+    # on the draft's config): activations per TTT step drop to the layer's inputs.
+    recompute: bool = False
 
 
 @dataclass
@@ -177,6 +180,8 @@ def validate(r: Recipe):
            f"{r.training.mode!r}; expected online or offline")
     _check(r.training.mode == "online" or r.parallelism.pp == 1, "training.mode",
            "offline training reads dumped last-stage states: it needs parallelism.pp=1")
+    _check(not r.training.recompute or r.draft.algo == "eagle3", "training.recompute",
+           f"recomputes the EAGLE3 draft layer; draft.algo {r.draft.algo!r} has none (set false)")
     _check(r.checkpointing.interval >= 0, "checkpointing.interval", "must be >= 0")
     _check(r.checkpointing.keep_last >= 1, "checkpointing.keep_last", "must be >= 1")
     _check(r.evaluation.interval >= 0, "evaluation.interval", "must be >= 0")
