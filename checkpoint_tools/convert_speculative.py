@@ -65,7 +65,7 @@ def draft_config(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_specdec.speculative import convert_checkpoint
+    from megatron_specdec.spec_conversion import convert_checkpoint
 
     start = time.time()
     cfg = convert_checkpoint(args.model_path, args.export_dir, args.specdec_algo,

@@ -5,11 +5,9 @@ initialised (EAGLE3: drawn in the HF layout from one seed, so every TP layout st
 same draft, see weights/eagle3_init.py, with lm_head rows and final norm taken from the base
 unless `lm_head_init="random"`; Medusa: identity blocks and lm_heads copied from the
 base lm_head); the base is frozen. `load_speculative` rebuilds a
-speculative model from a checkpoint written by `save_speculative`; `convert_checkpoint` turns
-a base checkpoint into a speculative one (checkpoint_tools/convert_speculative.py).
+speculative model from a checkpoint written by `save_speculative` (spec_conversion turns a
+base checkpoint into one).
 """
-
-from pathlib import Path
 
 import torch
 
@@ -163,71 +161,3 @@ def save_trained(model, path, base_meta: dict, tokenizer_dir=None, record=None):
     state = replicas(draft.gpt.sharded_state_dict()) if draft is not None else {}
     return checkpoint.save_checkpoint(None, path, meta, tokenizer_dir, overwrite=True,
                                       sharded_state_dict=state)
-
-
-def _base_checkpoint_meta(path) -> dict:
-    meta = checkpoint.read_meta(path)
-    if "draft" in meta:
-        raise checkpoint.CheckpointError(
-            f"{path} already holds a {meta['draft']['algo']} draft module; convert a base checkpoint"
-        )
-    return checkpoint.base_meta_of(meta)
-
-
-def calibrate_draft_vocab(model_path, calibration_data, draft_vocab_size: int, vocab_size: int):
-    """(d2t, t2d) from the token frequencies of conversation jsonl files, tokenized with the
-    checkpoint's own tokenizer and chat template."""
-    from megatron_specdec.data import calibrate, load_tokenizer
-
-    tokenizer = load_tokenizer(str(Path(model_path) / checkpoint.TOKENIZER_DIR))
-    vocab = calibrate(calibration_data, tokenizer, draft_vocab_size, vocab_size=vocab_size)
-    return vocab.d2t, vocab.t2d
-
-
-def _convert_worker(model_path, export_dir, cfg_entry, draft_vocab, tp, pp, overwrite):
-    from megatron_specdec import distributed
-
-    distributed.initialize(tp, pp)
-    meta = _base_checkpoint_meta(model_path)
-    base, hf_config = checkpoint.load_base_model(model_path, meta)
-    model = attach(base, spec_config.from_dict(cfg_entry), hf_config)
-    if draft_vocab is not None:
-        set_draft_vocab(model, *draft_vocab)
-    save_speculative(model, export_dir, meta, Path(model_path) / checkpoint.TOKENIZER_DIR, overwrite)
-
-
-def convert_checkpoint(model_path, export_dir, algo, config=None, calibration_data=None,
-                       tp=1, pp=1, overwrite=False):
-    """Base dist checkpoint -> speculative dist checkpoint (draft initialised, base frozen).
-
-    Everything that can be wrong with the inputs is checked before any process starts or
-    any file is written. Runs in the current torchrun group if there is one, else spawns
-    tp * pp local processes. Returns the validated draft config.
-    """
-    import torch.distributed as dist
-
-    from megatron_specdec import distributed, families
-
-    meta = _base_checkpoint_meta(model_path)
-    hf_config = checkpoint.hf_config_from_meta(meta)
-    cfg = spec_config.parse(algo, config, hf_config.num_hidden_layers, hf_config.vocab_size)
-    families.transformer_config(hf_config, tp=tp, pp=pp, num_query_groups=meta["padding"]["query_groups"])
-    checkpoint.check_output_dir(export_dir, overwrite, "export directory")
-    draft_vocab = None
-    if calibration_data:
-        if cfg.algo != "eagle3":
-            raise ValueError("--calibration_data builds an EAGLE3 draft vocabulary; medusa has none")
-        draft_vocab = calibrate_draft_vocab(model_path, calibration_data, cfg.draft_vocab_size,
-                                            hf_config.vocab_size)
-    elif cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size:
-        raise ValueError(
-            f"draft_vocab_size={cfg.draft_vocab_size} < vocabulary {hf_config.vocab_size}: a "
-            f"reduced draft vocabulary needs --calibration_data to choose its tokens"
-        )
-    args = (str(model_path), str(export_dir), spec_config.to_dict(cfg), draft_vocab, tp, pp,
-            overwrite)
-    if (dist.is_initialized() and dist.get_world_size() == tp * pp) or tp * pp == 1:
-        _convert_worker(*args)  # under torchrun, or a single process
-    else:
-        distributed.spawn(_convert_worker, tp * pp, *args)
-    return cfg

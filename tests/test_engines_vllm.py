@@ -260,7 +260,7 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_fac
     from collections import Counter
 
     from checkpoint_tools import export_draft, megatron_to_hf
-    from megatron_specdec.speculative import convert_checkpoint
+    from megatron_specdec.spec_conversion import convert_checkpoint
 
     root = tmp_path_factory.mktemp("heads")
     convert_checkpoint(base_tp2, root / "medusa_tp2", "medusa",

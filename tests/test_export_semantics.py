@@ -81,8 +81,8 @@ def _pipeline(root, calibration, prompt_ids, out_file):
     from megatron_specdec.export.full_export import export_full
     from megatron_specdec.hf_conversion import hf_to_megatron
     from megatron_specdec.loading import load_model
-    from megatron_specdec.speculative import (calibrate_draft_vocab, convert, load_speculative,
-                                              save_speculative)
+    from megatron_specdec.spec_conversion import calibrate_draft_vocab
+    from megatron_specdec.speculative import convert, load_speculative, save_speculative
 
     hf_to_megatron("default", f"{root}/base")
     distributed.initialize(1, 1)

@@ -22,7 +22,7 @@ def sources(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_specdec.hf_conversion import hf_to_megatron
-    from megatron_specdec.speculative import convert_checkpoint
+    from megatron_specdec.spec_conversion import convert_checkpoint
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("forms")
