@@ -106,8 +106,10 @@ def load_draft_model(path, vocab_size: int, tokenizer_dir=None, dtype=None):
         pg_collection=own_process_groups())
     model = provider(pre_process=True, post_process=True).to(device())
     # Every replica reads whole tensors, so reads overlap: skip the access-integrity check.
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(path),
-                                                  validate_access_integrity=False))
+    # Tensors only: no stored object is unpickled (checkpoint.tensors_only).
+    state = dist_checkpointing.load(checkpoint.tensors_only(model.sharded_state_dict()),
+                                    str(path), validate_access_integrity=False)
+    checkpoint.load_state(model, state, path)
     return model.requires_grad_(False).eval()
 
 
