@@ -100,7 +100,7 @@ def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_
     rope = families.rope_settings(hf_config)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
-        return GPTModel(
+        return _norms_in_params_dtype(GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(config, impl),
             vocab_size=padding["vocab_size"],
@@ -113,12 +113,24 @@ def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_
             vp_stage=vp_stage,
             pg_collection=pg_collection,
             **rope,
-        )
+        ), config.params_dtype)
 
     model_provider.config = config
     model_provider.padding = padding
     model_provider.transformer_impl = impl
     return model_provider
+
+
+def _norms_in_params_dtype(model, dtype: torch.dtype):
+    """The local spec's norms (megatron's WrappedTorchNorm: torch's RMSNorm/LayerNorm) are
+    built in fp32 whatever params_dtype is (megatron's trainer casts the whole model later);
+    in a bf16 model torch's rms_norm then sees a bf16 input and an fp32 weight, cannot use its
+    fused kernel and warns. They take the model's dtype, as every other parameter has (no-op
+    in fp32; TE's norms already follow params_dtype)."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
+    return model
 
 
 def build_model(hf_config, dtype=torch.float32, transformer_impl="auto", padding=None,

@@ -119,10 +119,9 @@ def test_streamed_import_writes_what_the_in_memory_merge_gives(one_process, hf_d
     saved = files.CheckpointTensors(ckpt)
     loaded = saved.load(list(reference))
     assert set(loaded) == set(reference)
-    for name, tensor in reference.items():  # megatron keeps norms in float32
-        want = torch.float32 if "norm" in name else torch.bfloat16
-        assert loaded[name].dtype == want, name
-        assert torch.equal(loaded[name], tensor.to(want)), name
+    for name, tensor in reference.items():  # norms too take the model dtype (model_provider)
+        assert loaded[name].dtype == torch.bfloat16, name
+        assert torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
     # One layer per read: the slice of the stacked tensor, nothing else.
     stacked = checkpoint.load_plain_tensors(ckpt)["decoder.layers.mlp.linear_fc1.weight"]
     one = saved.load(["decoder.layers.1.mlp.linear_fc1.weight"])
@@ -138,9 +137,9 @@ def test_streamed_export_is_bitwise_and_loads_in_transformers(one_process, hf_di
     back = hf_conversion.megatron_to_hf(ckpt, tmp_path / "back")
     src, dst = hf_conversion.read_hf_state(hf_dir), hf_conversion.read_hf_state(back)
     assert set(src) == set(dst)
-    for name in src:  # tensors keep the checkpoint's dtypes (float32 norms), as before
-        assert dst[name].dtype == (torch.float32 if "norm" in name else torch.bfloat16), name
-        assert torch.equal(src[name], dst[name].to(torch.bfloat16)), name
+    for name in src:  # tensors keep the checkpoint's dtype (bf16, norms included)
+        assert dst[name].dtype == torch.bfloat16, name
+        assert torch.equal(src[name], dst[name]), name
     with safe_open(str(back / files.HF_WEIGHTS), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
     model = AutoModelForCausalLM.from_pretrained(back)

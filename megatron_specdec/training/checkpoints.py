@@ -18,6 +18,7 @@ without a manifest, or whose files do not match it, is refused on resume with th
 renamed aside to `<name>.corrupt` (never deleted), and the previous good one is used.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -181,7 +182,10 @@ def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
     record = meta["training_checkpoint"]
     same_world = record["world_size"] == dist.get_world_size()
     template = _sharded_state(model, optimizer, rng_tensors() if same_world else None)
+    own_masters = _masters_stored_as_weights(template, path)
     loaded = checkpoint.load_sharded(template, path)
+    if own_masters:
+        loaded["optimizer"]["fp32_param"].update(checkpoint.load_sharded(own_masters, path))
     if model.draft is not None:
         prefix = f"{model.algo}."
         checkpoint.load_state(model.draft, {k[len(prefix):]: v for k, v in loaded["model"].items()},
@@ -193,6 +197,26 @@ def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
         log.warning("%s was saved by %d ranks, resuming on %d: RNG states start fresh", path,
                     record["world_size"], dist.get_world_size())
     return TrainerState(**record["trainer"])
+
+
+def _masters_stored_as_weights(template: dict, path) -> dict:
+    """The fp32 masters `path` stores as the parameters themselves, taken out of `template`
+    and returned as {index: the stored weight read into the master}: a parameter that was
+    fp32 when saved was its own master and got no fp32_param entry (a bf16 model's norm
+    weights before model_provider gave them the model dtype)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = pickle_guard.dist_metadata(path).state_dict_metadata
+    masters = template.get("optimizer", {}).get("fp32_param", {})
+    prefix = "optimizer.state.fp32_param."
+    own = {}
+    for i, t in list(masters.items()):
+        key = t.key[len(prefix):]
+        weight = stored.get(key)
+        if (t.key not in stored and isinstance(weight, TensorStorageMetadata)
+                and weight.properties.dtype == torch.float32):
+            own[i] = dataclasses.replace(masters.pop(i), key=key)
+    return own
 
 
 # ---- verification and discovery ------------------------------------------------------------
