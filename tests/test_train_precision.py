@@ -139,3 +139,18 @@ def test_bf16_stop_and_resume_is_exact(runs):
     assert len(resumed) == 6
     for a, b in zip(resumed, losses["bfloat16"][:6]):
         assert abs(a - b) <= 1e-6, (resumed, losses["bfloat16"][:6])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pins megatron's CPU limit; on a GPU "
+                    "its optimizer takes the parameters")
+def test_megatron_mixed_precision_optimizer_refuses_cpu_parameters():
+    """Why training/optimizer.py is not megatron-core's optimizer: its mixed-precision
+    wrapper allocates device='cuda' tensors (and takes only torch.cuda.* parameters). If
+    megatron lifts that, this fails and the trainer should move onto get_megatron_optimizer."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    param = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises((AssertionError, RuntimeError, TypeError), match="(?i)cuda"):
+        Float16OptimizerWithFloat16Params(torch.optim.AdamW([param]),
+                                          OptimizerConfig(bf16=True), None, lambda *_: None)
