@@ -14,6 +14,16 @@ SHARED_DATA = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO.parent / "shared" 
 warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    """A single-process (TP=PP=1) model-parallel group for a test module's in-process models."""
+    from megatron_specdec import distributed
+
+    distributed.initialize(1, 1)
+    yield
+    distributed.destroy()  # leave no process group behind for other test modules
+
+
 @pytest.fixture(scope="session")
 def shared_data():
     if not SHARED_DATA.is_dir():

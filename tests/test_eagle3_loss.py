@@ -10,7 +10,7 @@ from megatron_specdec import distributed
 from megatron_specdec.layers import losses
 from megatron_specdec.layers.eagle3_module import shift_right
 
-from test_eagle3_unit import _tiny_model, dense_ttt_mask, one_process  # noqa: F401
+from test_eagle3_unit import _tiny_model, dense_ttt_mask
 
 
 def test_positions_outside_the_draft_vocabulary_add_no_loss_but_count(one_process):

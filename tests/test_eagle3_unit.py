@@ -7,18 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_specdec import distributed, spec_config
+from megatron_specdec import spec_config
 from megatron_specdec.families import rope_settings
 from megatron_specdec.layers import losses
 from megatron_specdec.layers.ttt_attention import TTTMask, ttt_attention
 from megatron_specdec.spec_config import SpecConfigError
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    distributed.initialize(1, 1)
-    yield
-    distributed.destroy()  # leave no process group behind for other test modules
 
 
 # ---- configuration ------------------------------------------------------------------------

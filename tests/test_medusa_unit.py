@@ -6,15 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_specdec import distributed
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    distributed.initialize(1, 1)
-    yield
-    distributed.destroy()  # leave no process group behind for other test modules
-
 
 def _tiny(config):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -7,19 +7,11 @@ import warnings
 import pytest
 import torch
 
-from megatron_specdec import distributed
 
 HF = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=300, max_position_embeddings=64,
           tie_word_embeddings=False)
 MISMATCH = "Mismatch dtype between input and weight"
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    distributed.initialize(1, 1)
-    yield
-    distributed.destroy()  # leave no process group behind for other test modules
 
 
 @pytest.fixture

@@ -9,19 +9,12 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from megatron_specdec import checkpoint, distributed, hf_conversion
+from megatron_specdec import checkpoint, hf_conversion
 from megatron_specdec.weights import files, mapping
 
 HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=500, max_position_embeddings=64,
           tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    distributed.initialize(1, 1)
-    yield
-    distributed.destroy()  # leave no process group behind for other test modules
 
 
 @pytest.fixture(scope="module")

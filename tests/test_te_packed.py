@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_specdec.data import packed_attention_mask, packed_seq_params
 
-from test_eagle3_unit import _tiny_model, one_process  # noqa: F401
+from test_eagle3_unit import _tiny_model
 
 
 class RecordingTHDAttention(torch.nn.Module):

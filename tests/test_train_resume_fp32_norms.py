@@ -3,21 +3,12 @@ weights before model_provider gave norms the model dtype; the EAGLE3 draft's sti
 no fp32 master for them: the parameter was its own. Resuming with those parameters in bf16
 reads the stored fp32 weight into the new master, exactly."""
 
-import pytest
 import torch
 
-from megatron_specdec import distributed
 
 HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=300, max_position_embeddings=64,
           tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    distributed.initialize(1, 1)
-    yield
-    distributed.destroy()  # leave no process group behind for other test modules
 
 
 def test_fp32_parameters_saved_without_masters_resume_exactly(one_process, tmp_path):
