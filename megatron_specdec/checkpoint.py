@@ -293,13 +293,15 @@ def load_state(module, state: dict, path):
             f"checkpoint: {missing}; not in the model: {unexpected})")
 
 
-def load_sharded(sharded_state_dict, path) -> dict:
+def load_sharded(sharded_state_dict, path, validate_access_integrity: bool = True) -> dict:
     """dist_checkpointing.load of the tensors of `sharded_state_dict` (no stored object is
-    read) from a complete, vetted checkpoint."""
+    read) from a complete, vetted checkpoint. `validate_access_integrity=False` where ranks
+    read overlapping whole tensors (replicas)."""
     from megatron.core import dist_checkpointing
 
     read_meta(path)
-    return dist_checkpointing.load(tensors_only(sharded_state_dict), str(path))
+    return dist_checkpointing.load(tensors_only(sharded_state_dict), str(path),
+                                   validate_access_integrity=validate_access_integrity)
 
 
 def load_checkpoint(model, path):

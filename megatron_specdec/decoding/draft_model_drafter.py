@@ -92,8 +92,6 @@ def load_draft_model(path, vocab_size: int, tokenizer_dir=None, dtype=None):
     """The draft GPTModel of checkpoint `path` (in `dtype`, default its saved one), whole on
     this rank in its own groups (module notes), after check_draft_checkpoint; frozen, for
     drafting (the trainer unfreezes it). Collective over the world: the checkpoint reader is."""
-    from megatron.core import dist_checkpointing
-
     from megatron_specdec import checkpoint
     from megatron_specdec.distributed import device
     from megatron_specdec.model_provider import make_model_provider
@@ -106,9 +104,8 @@ def load_draft_model(path, vocab_size: int, tokenizer_dir=None, dtype=None):
         pg_collection=own_process_groups())
     model = provider(pre_process=True, post_process=True).to(device())
     # Every replica reads whole tensors, so reads overlap: skip the access-integrity check.
-    # Tensors only: no stored object is unpickled (checkpoint.tensors_only).
-    state = dist_checkpointing.load(checkpoint.tensors_only(model.sharded_state_dict()),
-                                    str(path), validate_access_integrity=False)
+    state = checkpoint.load_sharded(model.sharded_state_dict(), path,
+                                    validate_access_integrity=False)
     checkpoint.load_state(model, state, path)
     return model.requires_grad_(False).eval()
 
