@@ -55,3 +55,47 @@ def test_a_file_of_another_seed_is_refused(tmp_path):
     out.write_text(json.dumps({"id": "synth-1-0000000", "prompt": "hi there, how are you"}) + "\n")
     with pytest.raises(DataError, match=r"p\.jsonl.*seed 2"):
         synthesize_prompts(None, load_tokenizer("default"), out, 4, seed=2, progress=False)
+
+
+class _EchoBackend:
+    """Continues every prompt with the same tokens and records what it was given."""
+
+    def __init__(self, continuation):
+        self.continuation, self.prompts = continuation, []
+
+    def sample(self, prompts, max_new_tokens, temperature, top_p, seed):
+        self.prompts += prompts
+        return [list(self.continuation) for _ in prompts]
+
+
+def test_user_prefixes_start_the_user_text_in_turn(tmp_path):
+    tokenizer = load_tokenizer("default")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    backend = _EchoBackend(tokenizer(" reverses a list.", add_special_tokens=False)["input_ids"]
+                           + [eos])
+    starts = ["Write a Python function that", "Pretend you are"]
+    synthesize_prompts(backend, tokenizer, tmp_path / "p.jsonl", 4, batch_size=4,
+                       user_prefixes=starts, progress=False)
+    template = user_turn_prefix(tokenizer)
+    assert [tokenizer.decode(p[len(template):]) for p in backend.prompts] == starts * 2
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    # the same continuation after both prefixes: two distinct prompts, the repeats dropped
+    assert [r["prompt"] for r in rows] == [s + " reverses a list." for s in starts]
+
+
+def test_an_empty_user_prefix_is_refused(tmp_path):
+    with pytest.raises(DataError, match="empty prefix"):
+        synthesize_prompts(_EchoBackend([]), load_tokenizer("default"), tmp_path / "p.jsonl", 2,
+                           user_prefixes=["Write", " "], progress=False)
+
+
+def test_the_cli_names_a_prefix_file_without_prefixes(tmp_path):
+    from megatron_specdec.data.__main__ import _read_prefixes
+
+    path = tmp_path / "prefixes.txt"
+    path.write_text("# only a comment\n\n")
+    with pytest.raises(DataError, match=r"--user-prefixes .*prefixes\.txt: no prefixes"):
+        _read_prefixes(path)
+    with pytest.raises(DataError, match=r"--user-prefixes .*missing\.txt"):
+        _read_prefixes(tmp_path / "missing.txt")
+    assert len(_read_prefixes("data/synth_user_prefixes.txt")) == 60

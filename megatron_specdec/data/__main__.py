@@ -124,8 +124,21 @@ def _synthesize(args):
         args.top_p,
         args.seed,
         system_prompt=args.system_prompt,
+        user_prefixes=_read_prefixes(args.user_prefixes) if args.user_prefixes else (),
         progress=not args.no_progress,
     )
+
+
+def _read_prefixes(path) -> list:
+    """One prefix a line; blank lines and lines starting with '#' are skipped."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise DataError(f"--user-prefixes {path}: {e.strerror}") from None
+    prefixes = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    if not prefixes:
+        raise DataError(f"--user-prefixes {path}: no prefixes (one a line, '#' for comments)")
+    return prefixes
 
 
 def _calibrate(args):
@@ -214,6 +227,11 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--system-prompt", help="system message before the user turn (default: none)")
+    p.add_argument(
+        "--user-prefixes",
+        help="text file, one prefix a line: row i's user text starts with prefix i mod N "
+        "(e.g. data/synth_user_prefixes.txt, steered to MT-bench-like categories)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synthesize)
 

@@ -10,13 +10,18 @@ Work goes in fixed batches: batch n samples rows `synth-<seed>-<n * batch + i>` 
 `seed + n`, so a restarted run redoes exactly the batches it has not written. A batch counts as
 done once any of its rows is written; rows cut off by the length budget, empty, or repeating an
 earlier prompt are dropped.
+
+A system prompt steers a 135M model only weakly (asked for code, SmolLM2 still writes mostly
+trivia questions). `user_prefixes` steer harder: row i's user text starts with prefix
+i mod len(prefixes) ("Write a Python function that", "Pretend you are"), which the model
+continues; the kept prompt is the prefix plus its continuation.
 """
 
 import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from tqdm import tqdm
 
@@ -64,6 +69,7 @@ def synthesize_prompts(
     seed: int = 0,
     min_chars: int = 16,
     system_prompt: Optional[str] = None,
+    user_prefixes: Sequence[str] = (),
     progress: bool = True,
 ) -> SynthStats:
     """Sample `num_prompts` candidate user turns into `out_path` ({"id", "prompt"} rows);
@@ -73,7 +79,11 @@ def synthesize_prompts(
             f"num_prompts, batch_size and max_new_tokens must be positive, got "
             f"{num_prompts}, {batch_size}, {max_new_tokens}"
         )
-    prefix = user_turn_prefix(tokenizer, system_prompt)
+    template = user_turn_prefix(tokenizer, system_prompt)
+    starts = list(user_prefixes) or [""]
+    if any(not s.strip() for s in user_prefixes):
+        raise DataError("user_prefixes: an empty prefix (one per line, no blank lines)")
+    starts_ids = [tokenizer(s, add_special_tokens=False)["input_ids"] if s else [] for s in starts]
     eos_ids = end_of_turn_ids(tokenizer)
     num_batches = -(-num_prompts // batch_size)
     written = dropped = 0
@@ -94,11 +104,12 @@ def synthesize_prompts(
         bar = tqdm(total=len(todo), unit="batch", disable=not progress, desc="synthesize")
         for n in todo:
             rows = range(n * batch_size, min((n + 1) * batch_size, num_prompts))
-            completions = backend.sample([prefix] * len(rows), max_new_tokens, temperature,
-                                         top_p, seed + n)
+            prompts = [template + starts_ids[i % len(starts)] for i in rows]
+            completions = backend.sample(prompts, max_new_tokens, temperature, top_p, seed + n)
             for index, ids in zip(rows, completions):
                 stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
-                text = tokenizer.decode(ids[:stop], skip_special_tokens=True).strip()
+                text = tokenizer.decode(starts_ids[index % len(starts)] + ids[:stop],
+                                        skip_special_tokens=True).strip()
                 key = _normalise(text)
                 if stop is None or len(text) < min_chars or key in seen:
                     dropped += 1
