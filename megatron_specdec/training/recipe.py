@@ -79,6 +79,9 @@ class TrainingConfig:
     # EAGLE3: recompute each draft layer in backward (megatron's recompute_granularity=full
     # on the draft's config): activations per TTT step drop to the layer's inputs.
     recompute: bool = False
+    # Megatron's --exit-duration-in-mins: past this many minutes of this run's wall time,
+    # checkpoint the current step and stop (then the usual final export); 0 = off.
+    exit_duration_mins: float = 0.0
 
 
 @dataclass
@@ -176,6 +179,8 @@ def validate(r: Recipe):
     _check(r.training.micro_batch_size >= 1, "training.micro_batch_size", "must be >= 1")
     _check(r.training.global_batch_size % r.training.micro_batch_size == 0,
            "training.global_batch_size", "must be a multiple of training.micro_batch_size")
+    _check(r.training.exit_duration_mins >= 0, "training.exit_duration_mins",
+           f"{r.training.exit_duration_mins}; must be >= 0 (0 = off)")
     _check(r.training.mode in ("online", "offline"), "training.mode",
            f"{r.training.mode!r}; expected online or offline")
     _check(r.training.mode == "online" or r.parallelism.pp == 1, "training.mode",

@@ -2,7 +2,9 @@
 pipeline schedule (the base frozen, gradients only in the draft), data-parallel gradient
 averaging, global-norm clipping, AdamW on fp32 master weights, the lr schedule as a pure
 function of the step.
-Checkpoints every `checkpointing.interval` steps and at the end; the trained model is written
+Checkpoints every `checkpointing.interval` steps and at the end, or at the step where the run's
+wall time passes `training.exit_duration_mins` (Megatron's --exit-duration-in-mins, agreed by
+all ranks so every rank stops at the same step); the trained model is written
 to `<output_dir>/final`: base + draft module as a speculative checkpoint, or a distilled draft
 GPT (`draft.algo: draft_model`) alone as a plain GPT checkpoint."""
 
@@ -50,8 +52,16 @@ def _save_recipe(recipe):
         (out / name).write_text(to_yaml(recipe))
 
 
+def _time_is_up(start_time: float, limit_mins: float) -> bool:
+    """Whether any rank has passed the wall-time limit (ranks must stop at the same step)."""
+    if not limit_mins:
+        return False
+    return checkpoints._max_over_world(time.time() - start_time) > limit_mins * 60
+
+
 def train(recipe) -> dict:
     """Run (or resume) `recipe` in the current process group; returns the summary."""
+    run_start = time.time()  # the time limit counts setup too, as Megatron's does
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     distributed.initialize(tp, pp, seed=recipe.training.seed)
     dp = data_parallel_size(recipe, dist.get_world_size())
@@ -87,7 +97,7 @@ def train(recipe) -> dict:
     total = recipe.training.steps
     interval = recipe.checkpointing.interval
     start_time, start_step, last = time.time(), state.step, {}
-    acceptance = None
+    acceptance, stopped = None, "steps"
     while state.step < total:
         lr = optimizer.lr_at(state.step, recipe.optimizer, total)
         micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack)
@@ -100,9 +110,16 @@ def train(recipe) -> dict:
         state.tokens += last["tokens"]
         reporter.step(state.step, last, lr, grad_norm,
                       recipe.training.global_batch_size * recipe.data.seq_length)
-        if (interval and state.step % interval == 0) or state.step == total:
+        if state.step < total and _time_is_up(run_start, recipe.training.exit_duration_mins):
+            stopped = "time_limit"
+        if (interval and state.step % interval == 0) or state.step == total \
+                or stopped == "time_limit":
             checkpoints.save(checkpoint_dir(recipe), state.step, model, opt, state, ckpt_meta,
                              recipe.checkpointing.keep_last)
+        if stopped == "time_limit":
+            log.info("training.exit_duration_mins=%g passed at step %d: stopping",
+                     recipe.training.exit_duration_mins, state.step)
+            break
         if evaluation.due(recipe, state.step):
             acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
     final = Path(recipe.output_dir) / FINAL_DIR
@@ -119,6 +136,7 @@ def train(recipe) -> dict:
         "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(dataset),
         "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": dp,
         "algo": model.spec_config.algo, "mode": recipe.training.mode,
+        "stopped": stopped,  # steps: training.steps reached; time_limit: exit_duration_mins
     }
     reporter.close(summary)
     return summary
