@@ -221,7 +221,8 @@ def modelopt_train(args, out: Path) -> dict:
     positions = steps * recipe.training.global_batch_size * seq
     return {
         "modelopt_version": modelopt.__version__, "transformers": transformers.__version__,
-        "steps": steps, "stopped": limit.stopped, "final_loss": output.training_loss,
+        "steps": steps, "stopped": limit.stopped,
+        "mean_loss": output.training_loss,  # the Trainer's mean over the run
         "rows": len(rows), "seq_length": seq, "positions": positions,
         "tokens_seen": seen["tokens"],
         "loss_tokens_seen": seen["loss_tokens"],  # assistant tokens (the loss mask) of its rows
