@@ -74,8 +74,11 @@ def _copy_draft(draft_dir, dst, config_edit=None, drop=()):
     ({"draft_vocab_size": 256}, (), "tensor 'lm_head.weight'"),
     ({"architectures": ["LlamaForCausalLM"]}, (), "not an EAGLE3 draft"),
     ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}, (), "name different layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, (),
+     "draft rope_scaling={'rope_type': 'yarn', 'factor': 32.0} does not match"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, (), "does not match the target"),
 ], ids=["hidden", "target_hidden", "vocab", "rope", "missing_tensor", "draft_vocab",
-        "architecture", "aux_ids"])
+        "architecture", "aux_ids", "rope_yarn", "rope_linear"])
 def test_bad_drafts_are_refused_and_nothing_is_written(ckpts, draft_dir, tmp_path, capsys,
                                                        edit, drop, message):
     from checkpoint_tools import import_draft
@@ -88,6 +91,31 @@ def test_bad_drafts_are_refused_and_nothing_is_written(ckpts, draft_dir, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_modelopt_layout_imports_as_the_same_checkpoint(ckpts, draft_dir, tmp_path):
+    """ModelOpt 0.47 exports a one-layer draft as layers.0.* with d2t alone (t2d is derived);
+    it imports to the same checkpoint as the midlayer.* layout, and a d2t pointing outside
+    the vocabulary is refused."""
+    from megatron_specdec.export.draft_import import DraftMismatchError, import_eagle3
+
+    modelopt = tmp_path / "modelopt"
+    modelopt.mkdir()
+    (modelopt / "config.json").write_text((draft_dir / "config.json").read_text())
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items() if k != "t2d"}
+    assert any(k.startswith("layers.0.") for k in renamed)
+    save_file(renamed, str(modelopt / "model.safetensors"))
+    import_eagle3(draft_dir, ckpts / "base", tmp_path / "a")
+    import_eagle3(modelopt, ckpts / "base", tmp_path / "b")
+    assert _same_checkpoint(tmp_path / "a", tmp_path / "b") > 10
+
+    renamed["d2t"] = renamed["d2t"].clone()
+    renamed["d2t"][-1] = 10**6
+    save_file(renamed, str(modelopt / "model.safetensors"))
+    with pytest.raises(DraftMismatchError, match="d2t maps outside the vocabulary"):
+        import_eagle3(modelopt, ckpts / "base", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
 
 
 def test_vllm_only_aux_ids_are_converted(draft_dir, ckpts, tmp_path):

@@ -10,6 +10,7 @@ rope), every tensor the layout defines must be present with its shape, and d2t/t
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -36,7 +37,11 @@ def read_hf_draft(draft_dir):
         raise FileNotFoundError(
             f"{draft_dir}/{eagle3_hf.CONFIG} not found: not an HF draft directory")
     config = json.loads((draft_dir / eagle3_hf.CONFIG).read_text())
-    return config, read_hf_state(draft_dir)
+    tensors = read_hf_state(draft_dir)
+    if config.get("num_hidden_layers", 1) == 1:  # ModelOpt 0.47 writes layers.0.*, as vLLM reads
+        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                   for k, v in tensors.items()}
+    return config, tensors
 
 
 def _aux_layer_ids(config: dict):
@@ -79,9 +84,28 @@ def check_fits(config: dict, base) -> None:
         if not same:
             raise DraftMismatchError(
                 f"draft {key}={found.get(key)!r} does not match the target model's {want!r}")
+    _check_rope_scaling(config, base)
     if config.get("head_dim") not in (None, families.head_dim(base)):
         raise DraftMismatchError(f"draft head_dim={config['head_dim']} does not match the "
                                  f"target model's {families.head_dim(base)}")
+
+
+def _check_rope_scaling(config: dict, base) -> None:
+    """The draft runs with the base's RoPE (model_provider builds both from the base config);
+    a draft that says it was trained with another scaling would be run wrongly, so it is
+    refused rather than ignored."""
+    want = {k: v for k, v in families.rope_settings(base).items() if k != "rotary_base"}
+    draft = SimpleNamespace(**{k: config[k] for k in ("rope_scaling", "rope_parameters")
+                               if config.get(k)})
+    try:
+        found = {k: v for k, v in families.rope_settings(draft).items() if k != "rotary_base"}
+    except families.UnsupportedModelError as e:
+        found = {"rope_scaling": f"unsupported ({e})"}
+    if found != want:
+        raise DraftMismatchError(
+            f"draft rope_scaling={config.get('rope_scaling', config.get('rope_parameters'))!r} "
+            f"does not match the target model's RoPE ({want}); if the draft was trained with the "
+            f"base's RoPE and only its config says otherwise, correct the config")
 
 
 def draft_config(config: dict, tensors: dict, base):
@@ -113,6 +137,13 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
     if "d2t" not in tensors and "t2d" not in tensors and full_vocab:
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
         tensors["t2d"] = torch.ones(config["vocab_size"], dtype=torch.bool)
+    if "d2t" in tensors and "t2d" not in tensors:  # ModelOpt writes d2t alone (engines skip t2d)
+        targets = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+        if targets.min() < 0 or targets.max() >= config["vocab_size"]:
+            raise DraftMismatchError(f"{draft_dir}: d2t maps outside the vocabulary "
+                                     f"[0, {config['vocab_size']})")
+        tensors["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool)
+        tensors["t2d"][targets] = True
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise mapping.WeightMappingError(f"{draft_dir}: unexpected tensor(s) {', '.join(unknown)}")
