@@ -114,7 +114,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
     # The JSON is rank 0's, which may hold no draft: share the AdamW step.
     record = dict(meta["training_checkpoint"], format=FORMAT, step=step,
                   world_size=dist.get_world_size(), trainer=asdict(state),
-                  adam_step=_max_over_world(optimizer.adam_step()),
+                  adam_step=max_over_world(optimizer.adam_step()),
                   loss_scale=optimizer.loss_scale_state())
     checkpoint.save_checkpoint(model, path, dict(meta, training_checkpoint=record),
                                overwrite=True,
@@ -128,7 +128,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
     return path
 
 
-def _max_over_world(value: float) -> float:
+def max_over_world(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)

@@ -56,7 +56,7 @@ def _time_is_up(start_time: float, limit_mins: float) -> bool:
     """Whether any rank has passed the wall-time limit (ranks must stop at the same step)."""
     if not limit_mins:
         return False
-    return checkpoints._max_over_world(time.time() - start_time) > limit_mins * 60
+    return checkpoints.max_over_world(time.time() - start_time) > limit_mins * 60
 
 
 def train(recipe) -> dict:
