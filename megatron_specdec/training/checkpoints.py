@@ -129,6 +129,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
 
 
 def max_over_world(value: float) -> float:
+    """The largest `value` over all ranks (collective), for decisions every rank must share."""
     t = torch.tensor([value], dtype=torch.float64, device=device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
