@@ -325,6 +325,9 @@ def _table(result: dict) -> str:
 
 
 def main(argv=None):
+    from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # the benign megatron-core warnings stay out of the bench's output
     args = parse_args(argv)
     work = (REPO / args.work_dir).resolve()
     if args.modelopt_worker:
