@@ -339,6 +339,9 @@ def main(argv=None):
     if args.minutes <= 0:
         sys.exit(f"--minutes must be > 0, got {args.minutes}")
     python = modelopt_python((REPO / args.modelopt_env).resolve())
+    from megatron_specdec.default_model import default_model_dir
+
+    default_model_dir()  # materialised by the project's transformers, not the ModelOpt env's
     forwarded = ["--minutes", args.minutes, "--work-dir", work,
                  "--modelopt-steps", args.modelopt_steps]
 

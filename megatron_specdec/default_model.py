@@ -73,6 +73,9 @@ def default_model_dir() -> Path:
             str(tmp / "model.safetensors"),
             metadata={"format": "pt"},
         )
+        # The eos is the GGUF metadata's (in the config): transformers 5.14's GGUF tokenizer
+        # conversion names <|im_start|> as SmolLM2's eos, and generation would not stop.
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, target)
