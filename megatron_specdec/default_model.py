@@ -8,6 +8,7 @@ with importlib. Nothing is downloaded.
 """
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -41,11 +42,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "megatron_specdec"))
 
 
+def cached_eos_is_sound(directory: Path) -> bool:
+    """Whether a materialised directory's tokenizer names the config's eos. Caches written by
+    transformers 5.14 (eos <|im_start|>) fail this: generation would never stop on them."""
+    try:
+        eos_id = json.loads((directory / "config.json").read_text())["eos_token_id"]
+        eos = json.loads((directory / "tokenizer_config.json").read_text())["eos_token"]
+        added = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+    except (OSError, ValueError, KeyError):
+        return False
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return any(t.get("content") == eos and t.get("id") == eos_id for t in added)
+
+
 def default_model_dir() -> Path:
-    """An HF directory of the default model, materialised from the GGUF on first use."""
+    """An HF directory of the default model, materialised from the GGUF on first use (and
+    again when the cached one is incomplete or names the wrong eos)."""
     target = cache_dir() / DEFAULT_MODEL_NAME
     if (target / "config.json").is_file():
-        return target
+        if cached_eos_is_sound(target):
+            return target
+        log.warning("%s: the cached tokenizer's eos is not the config's eos_token_id "
+                    "(a cache from another transformers version); materialising it again",
+                    target)
+        stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale.", dir=target.parent))
+        try:
+            os.rename(target, stale / DEFAULT_MODEL_NAME)
+        except FileNotFoundError:
+            pass  # a concurrent process moved it first
+        shutil.rmtree(stale, ignore_errors=True)
+        if (target / "config.json").is_file() and cached_eos_is_sound(target):
+            return target  # a concurrent process rebuilt it meanwhile
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
