@@ -212,8 +212,13 @@ def main():
                         "as exported, e.g. models/eagle3_smollm2)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling comparison at this temperature (0: skip it)")
+    p.add_argument("--sampling-every", type=int, default=1,
+                   help="the sampling comparison takes every N-th of the prompts (it runs "
+                        "four generators a prompt; 5 over all 80: 2 per category)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
+    if args.sampling_every < 1:
+        raise SystemExit(f"--sampling-every {args.sampling_every}: expected >= 1")
 
     from megatron_specdec.data import end_of_turn_ids, load_tokenizer
     from megatron_specdec.decoding.metrics import acceptance_summary
@@ -237,12 +242,14 @@ def main():
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
     runs, hf_model = methods(args, model, hf_dir, eos, tree)
     load_before = os.getloadavg()[0]
-    stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": []} for name in runs}
+    stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": [], "times": []}
+             for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
         for name in list(runs) if number % 2 else reversed(list(runs)):
             start = time.perf_counter()
             tokens, result = runs[name](ids)
-            stats[name]["seconds"] += time.perf_counter() - start
+            stats[name]["times"].append(time.perf_counter() - start)
+            stats[name]["seconds"] += stats[name]["times"][-1]
             stats[name]["tokens"] += len(tokens)
             stats[name]["outputs"].append(tokens)
             stats[name]["results"].append(result)
@@ -257,7 +264,8 @@ def main():
         row = {"tokens_per_s": rate, "vs_transformers_greedy": rate / hf_rate,
                "vs_project_greedy": rate / own_rate,
                "identical_to_project_greedy": sum(
-                   a == b for a, b in zip(s["outputs"], base["outputs"]))}
+                   a == b for a, b in zip(s["outputs"], base["outputs"])),
+               "vs_project_greedy_by_category": speed_by_category(prompts, s, base)}
         results = [r for r in s["results"] if r is not None]
         if results:
             k = results[0].num_draft_tokens
@@ -319,6 +327,11 @@ def main():
             line += (f"{'' if al is None else f'{al:.2f}':>6}{'':>8}"
                      f"{row['identical_to_project_greedy']:>4}/{len(prompts)}")
         print(line)
+    print("vs project greedy by category:")
+    for name, row in report.items():
+        if "time_share" in row:
+            print(f"  {name:34}" + " ".join(f"{c[:5]} {v:.2f}" for c, v in
+                                          row["vs_project_greedy_by_category"].items()))
     for b, row in batched.items():
         print(f"batch {b}: project {row['project_tokens_per_s']:.2f} tok/s, transformers "
               f"{row['transformers_tokens_per_s']:.2f} ({row['ratio']:.2f}x), identical rows "
@@ -328,6 +341,16 @@ def main():
               + ("" if "acceptance_length" not in row else
                  f"   AL {row['acceptance_length']:.2f}"))
     print(f"wrote {out}")
+
+
+def speed_by_category(prompts, stats, base):
+    """{category: tokens/s of `stats` over tokens/s of project greedy on that category's
+    prompts}: the adaptive policy must not lose to plain decoding in any category."""
+    def rate(s, category):
+        picked = [i for i, (c, _) in enumerate(prompts) if c == category]
+        return (sum(len(s["outputs"][i]) for i in picked)
+                / sum(s["times"][i] for i in picked))
+    return {c: rate(stats, c) / rate(base, c) for c in sorted({c for c, _ in prompts})}
 
 
 def vllm_base(args, model_dir):
@@ -431,6 +454,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
     if not args.temperature:
         return {}
     n, t = args.max_new_tokens, args.temperature
+    prompts = prompts[:: args.sampling_every]
     generators = {f"project {model.algo} speculative": SpeculativeGenerator(model),
                   "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
     generators.update({f"project {name} speculative": g for name, g in
@@ -467,7 +491,8 @@ def sampling_speed(model, hf_model, prompts, eos, args):
             methods[name]["acceptance_length"] = acceptance_summary(
                 [a for r in results for a in r.accepted], results[0].num_draft_tokens,
                 [d for r in results for d in r.drafted])["acceptance_length"]
-    return {"temperature": t, "top_k": 0, "top_p": 1.0, "methods": methods}
+    return {"temperature": t, "top_k": 0, "top_p": 1.0, "prompts": len(prompts),
+            "methods": methods}
 
 
 def plot(report, path, title):
