@@ -242,25 +242,24 @@ def main():
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
     runs, hf_model = methods(args, model, hf_dir, eos, tree)
     load_before = os.getloadavg()[0]
-    stats = {name: {"seconds": 0.0, "tokens": 0, "outputs": [], "results": [], "times": []}
-             for name in runs}
+    stats = {name: {"tokens": 0, "outputs": [], "results": [], "times": []} for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
         for name in list(runs) if number % 2 else reversed(list(runs)):
             start = time.perf_counter()
             tokens, result = runs[name](ids)
             stats[name]["times"].append(time.perf_counter() - start)
-            stats[name]["seconds"] += stats[name]["times"][-1]
             stats[name]["tokens"] += len(tokens)
             stats[name]["outputs"].append(tokens)
             stats[name]["results"].append(result)
         print(f"prompt {number}/{len(prompts)} done", flush=True)
 
     base = stats["project greedy"]
-    hf_rate = stats["transformers greedy"]["tokens"] / stats["transformers greedy"]["seconds"]
-    own_rate = base["tokens"] / base["seconds"]
+    hf = stats["transformers greedy"]
+    hf_rate = hf["tokens"] / sum(hf["times"])
+    own_rate = base["tokens"] / sum(base["times"])
     report = {}
     for name, s in stats.items():
-        rate = s["tokens"] / s["seconds"]
+        rate = s["tokens"] / sum(s["times"])
         row = {"tokens_per_s": rate, "vs_transformers_greedy": rate / hf_rate,
                "vs_project_greedy": rate / own_rate,
                "identical_to_project_greedy": sum(
