@@ -254,12 +254,11 @@ def main():
         print(f"prompt {number}/{len(prompts)} done", flush=True)
 
     base = stats["project greedy"]
-    hf = stats["transformers greedy"]
-    hf_rate = hf["tokens"] / sum(hf["times"])
-    own_rate = base["tokens"] / sum(base["times"])
+    rates = {name: s["tokens"] / sum(s["times"]) for name, s in stats.items()}
+    hf_rate, own_rate = rates["transformers greedy"], rates["project greedy"]
     report = {}
     for name, s in stats.items():
-        rate = s["tokens"] / sum(s["times"])
+        rate = rates[name]
         row = {"tokens_per_s": rate, "vs_transformers_greedy": rate / hf_rate,
                "vs_project_greedy": rate / own_rate,
                "identical_to_project_greedy": sum(
