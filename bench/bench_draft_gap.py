@@ -14,6 +14,13 @@ A draft whose inference matches its training gives `at_round_starts == in_loop` 
 near-ties (`mismatches` counts the positions where they disagree); a gap between
 `teacher_forced` on the training data and on these prompts is distribution shift.
 
+`by_base_confidence` splits step 0's teacher-forced agreement on the prompts by the base's
+own top-1 probability for the token drafted (with the share of those tokens the draft
+vocabulary holds: the others it cannot draft), and `oracle_al` gives the chain AL of a draft
+that is right exactly where the base's top-1 probability is at least c, or wherever the
+draft vocabulary holds the token (the loop replayed on the same continuations): where the
+remaining acceptance has to come from.
+
     python bench/bench_draft_gap.py --model SPEC_CKPT [--num-prompts 16] [--train-rows 16]
 """
 
@@ -28,16 +35,22 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "draft_gap.json"
 
 
+CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
+ORACLE_THRESHOLDS = (0.5, 0.8, 0.95)
+
+
 @torch.no_grad()
 def draft_hits(model, tokens, k):
     """[k, s] bool: TTT step j's draft top-1 at position u equals the base's top-1 at u+1
-    (the token u+2 of a greedy continuation); positions without a target are False."""
+    (the token u+2 of a greedy continuation); positions without a target are False. Also
+    [s] float: the base's top-1 probability for that token (position u+1's softmax max)."""
     draft = model.draft
     ids = torch.tensor([tokens])
     s = ids.shape[1]
     state = model.run_base(ids)
     _, base_logits = model.base_head(state.residual)
-    base_top = base_logits[:, 0, : model.vocab_size].argmax(-1)  # [s]
+    base_probs = base_logits[:, 0, : model.vocab_size].float().softmax(-1)
+    base_conf, base_top = base_probs.max(-1)  # [s]
     aux = torch.cat(state.aux, -1)
     embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])
     steps = draft.training_time_test(aux, embeds, model.rotary_pos_emb(s), None, k)
@@ -46,7 +59,23 @@ def draft_hits(model, tokens, k):
     for j, logits in enumerate(steps):
         pred = target_ids[logits[:, 0, : draft.draft_vocab_size].argmax(-1)]
         hits[j, : s - 2] = pred[: s - 2] == base_top[1: s - 1]
-    return hits
+    conf = torch.zeros(s)
+    conf[: s - 2] = base_conf[1: s - 1]
+    return hits, conf
+
+
+def replay_chain(accept, start, end, k):
+    """Rounds and emitted tokens of a fixed chain of k over positions start..end-1 when the
+    draft of TTT step j at position u is accepted iff accept(j, u): a round at pending
+    position r drafts positions r-1+j and emits its accepted prefix plus one base token."""
+    rounds = emitted = 0
+    r = start
+    while r < end:
+        a = 0
+        while a < k and r + 1 + a < end and accept(a, r - 1 + a):
+            a += 1
+        rounds, emitted, r = rounds + 1, emitted + a + 1, r + a + 1
+    return rounds, emitted
 
 
 def loop_positions(prompt_len, accepted, length, k):
@@ -70,11 +99,35 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
     eos = end_of_turn_ids(tokenizer)
     tf, starts, loop, mismatches, rounds = [[0, 0] for _ in range(k)], \
         [[0, 0] for _ in range(k)], [[0, 0] for _ in range(k)], 0, 0
+    buckets = [[0, 0, 0] for _ in range(len(CONFIDENCE_EDGES) + 1)]
+    oracle = {f">= {c}": [0, 0] for c in ORACLE_THRESHOLDS}
+    oracle["in draft vocabulary"] = [0, 0]
+    t2d = model.draft.t2d.cpu()
+    replayed, emitted = [0, 0], 0
     for ids in prompts:
         result = gen.generate(ids, max_new_tokens, eos)
         full = list(ids) + result.tokens
-        hits = draft_hits(model, full, k)
+        hits, conf = draft_hits(model, full, k)
         first = len(ids) - 1  # position P-1 scores token P+1, the first the loop drafts
+        row, row_conf = hits[0, first: len(full) - 2], conf[first: len(full) - 2]
+        in_vocab = t2d[torch.tensor(full)]  # token u+2 is the one step 0 at u drafts
+        row_vocab = in_vocab[first + 2: len(full)]
+        which = torch.bucketize(row_conf, torch.tensor(CONFIDENCE_EDGES), right=True)
+        for b in range(len(buckets)):
+            buckets[b][0] += int(row[which == b].sum())
+            buckets[b][1] += int((which == b).sum())
+            buckets[b][2] += int(row_vocab[which == b].sum())
+        rules = {f">= {c}": (lambda c: lambda j, u: bool(conf[u] >= c))(c)
+                 for c in ORACLE_THRESHOLDS}
+        rules["in draft vocabulary"] = lambda j, u: bool(in_vocab[u + 2])
+        for name, rule in rules.items():
+            n, e = replay_chain(rule, len(ids), len(full), k)
+            oracle[name][0] += n
+            oracle[name][1] += e
+        n, e = replay_chain(lambda j, u: bool(hits[j, u]), len(ids), len(full), k)
+        replayed[0] += n
+        replayed[1] += e
+        emitted += sum(a + 1 for a in result.accepted)
         for j in range(k):
             row = hits[j, first + j: len(full) - 2]
             tf[j][0] += int(row.sum())
@@ -87,9 +140,20 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
             mismatches += int(hits[j, u]) != int(ok)
         rounds += len(result.accepted)
     rate = lambda c: [round(a / n, 4) if n else None for a, n in c]  # noqa: E731
+    edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
+    total = sum(n for _, n, _ in buckets)
+    by_conf = [{"base_top1_prob": f"[{lo}, {hi}{']' if hi == 1.0 else ')'}",
+                "share": round(n / total, 4) if total else None,
+                "step0_agreement": round(a / n, 4) if n else None,
+                "in_draft_vocab": round(v / n, 4) if n else None}
+               for (a, n, v), lo, hi in zip(buckets, edges, edges[1:])]
     return {"teacher_forced": rate(tf), "at_round_starts": rate(starts), "in_loop": rate(loop),
             "verified_drafts": sum(n for _, n in loop), "mismatches": mismatches,
-            "rounds": rounds}
+            "rounds": rounds, "al": round(emitted / rounds, 4) if rounds else None,
+            # the replay with the draft's own teacher-forced hits: checks the oracle's replay
+            "replayed_al": round(replayed[1] / replayed[0], 4) if replayed[0] else None,
+            "by_base_confidence": by_conf,
+            "oracle_al": {name: round(e / n, 4) for name, (n, e) in oracle.items()}}
 
 
 @torch.no_grad()
@@ -104,7 +168,7 @@ def train_agreement(model, tokenizer, files, rows, k, seq_length=512):
         row = dataset[i]
         n = int((row["segment_ids"] > 0).sum())
         tokens = row["input_ids"][:n].tolist()
-        hits = draft_hits(model, tokens, k)
+        hits, _ = draft_hits(model, tokens, k)
         target = row["loss_mask"][:n].bool()
         for j in range(k):
             scored = torch.zeros(n, dtype=torch.bool)
@@ -160,6 +224,14 @@ def main():
                                     for c, w in zip(cells, (9, 10, 12, 8))))
     print(f"loop drafts verified: {report['verified_drafts']}, disagreeing with teacher forcing:"
           f" {report['mismatches']}; rounds {report['rounds']}")
+    print("step-0 agreement on the prompts by the base's top-1 probability:")
+    for b in report["by_base_confidence"]:
+        print(f"  {b['base_top1_prob']:>12}: {b['share']:.1%} of positions, "
+              f"agreement {b['step0_agreement']}, in the draft vocabulary {b['in_draft_vocab']}")
+    print(f"AL in the loop {report['al']}, replayed from teacher forcing {report['replayed_al']}")
+    print("chain AL of a draft right exactly where: "
+          + ", ".join(f"top-1 probability {c}: {al}" if c.startswith(">=") else f"{c}: {al}"
+                      for c, al in report["oracle_al"].items()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
