@@ -193,12 +193,13 @@ def main():
     args = p.parse_args()
 
     from megatron_specdec.cli import setup_logging
+
+    setup_logging()  # before megatron-core is imported: its benign warnings stay out
     from megatron_specdec.decoding.validate import read_prompts
     from megatron_specdec.distributed import initialize
     from megatron_specdec.speculative import load_speculative
     from megatron_specdec.data import load_tokenizer
 
-    setup_logging()
     initialize(1, 1)
     model, _, _ = load_speculative(args.model)
     model.eval()
