@@ -35,8 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "draft_gap.json"
 
 
-CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
-ORACLE_THRESHOLDS = (0.5, 0.8, 0.95)
+CONFIDENCE_EDGES = (0.5, 0.8, 0.95)  # the bands of by_base_confidence and oracle_al's c
 
 
 @torch.no_grad()
@@ -65,17 +64,22 @@ def draft_hits(model, tokens, k):
 
 
 def replay_chain(accept, start, end, k):
-    """Rounds and emitted tokens of a fixed chain of k over positions start..end-1 when the
-    draft of TTT step j at position u is accepted iff accept(j, u): a round at pending
+    """Accepted drafts of every round of a fixed chain of k over positions start..end-1 when
+    the draft of TTT step j at position u is accepted iff accept(j, u): a round at pending
     position r drafts positions r-1+j and emits its accepted prefix plus one base token."""
-    rounds = emitted = 0
-    r = start
+    accepted, r = [], start
     while r < end:
         a = 0
         while a < k and r + 1 + a < end and accept(a, r - 1 + a):
             a += 1
-        rounds, emitted, r = rounds + 1, emitted + a + 1, r + a + 1
-    return rounds, emitted
+        accepted.append(a)
+        r += a + 1
+    return accepted
+
+
+def chain_al(accepted):
+    """Tokens emitted per round (verify forward) of rounds that accepted these counts."""
+    return round(sum(a + 1 for a in accepted) / len(accepted), 4) if accepted else None
 
 
 def loop_positions(prompt_len, accepted, length, k):
@@ -97,13 +101,12 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
 
     gen = SpeculativeGenerator(model, k, policy="fixed")
     eos = end_of_turn_ids(tokenizer)
-    tf, starts, loop, mismatches, rounds = [[0, 0] for _ in range(k)], \
-        [[0, 0] for _ in range(k)], [[0, 0] for _ in range(k)], 0, 0
+    tf, starts, loop, mismatches = [[0, 0] for _ in range(k)], \
+        [[0, 0] for _ in range(k)], [[0, 0] for _ in range(k)], 0
     buckets = [[0, 0, 0] for _ in range(len(CONFIDENCE_EDGES) + 1)]
-    oracle = {f">= {c}": [0, 0] for c in ORACLE_THRESHOLDS}
-    oracle["in draft vocabulary"] = [0, 0]
+    replays = {}  # rule -> accepted counts of every replayed round
+    loop_accepted = []
     t2d = model.draft.t2d.cpu()
-    replayed, emitted = [0, 0], 0
     for ids in prompts:
         result = gen.generate(ids, max_new_tokens, eos)
         full = list(ids) + result.tokens
@@ -117,17 +120,13 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
             buckets[b][0] += int(row[which == b].sum())
             buckets[b][1] += int((which == b).sum())
             buckets[b][2] += int(row_vocab[which == b].sum())
-        rules = {f">= {c}": (lambda c: lambda j, u: bool(conf[u] >= c))(c)
-                 for c in ORACLE_THRESHOLDS}
+        rules = {f">= {c}": lambda j, u, c=c: bool(conf[u] >= c) for c in CONFIDENCE_EDGES}
         rules["in draft vocabulary"] = lambda j, u: bool(in_vocab[u + 2])
+        # the draft's own teacher-forced hits: checks the replay against the loop
+        rules["own hits"] = lambda j, u: bool(hits[j, u])
         for name, rule in rules.items():
-            n, e = replay_chain(rule, len(ids), len(full), k)
-            oracle[name][0] += n
-            oracle[name][1] += e
-        n, e = replay_chain(lambda j, u: bool(hits[j, u]), len(ids), len(full), k)
-        replayed[0] += n
-        replayed[1] += e
-        emitted += sum(a + 1 for a in result.accepted)
+            replays.setdefault(name, []).extend(replay_chain(rule, len(ids), len(full), k))
+        loop_accepted += result.accepted
         for j in range(k):
             row = hits[j, first + j: len(full) - 2]
             tf[j][0] += int(row.sum())
@@ -138,7 +137,6 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
             loop[j][0] += int(ok)
             loop[j][1] += 1
             mismatches += int(hits[j, u]) != int(ok)
-        rounds += len(result.accepted)
     rate = lambda c: [round(a / n, 4) if n else None for a, n in c]  # noqa: E731
     edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
     total = sum(n for _, n, _ in buckets)
@@ -149,11 +147,10 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
                for (a, n, v), lo, hi in zip(buckets, edges, edges[1:])]
     return {"teacher_forced": rate(tf), "at_round_starts": rate(starts), "in_loop": rate(loop),
             "verified_drafts": sum(n for _, n in loop), "mismatches": mismatches,
-            "rounds": rounds, "al": round(emitted / rounds, 4) if rounds else None,
-            # the replay with the draft's own teacher-forced hits: checks the oracle's replay
-            "replayed_al": round(replayed[1] / replayed[0], 4) if replayed[0] else None,
+            "rounds": len(loop_accepted), "al": chain_al(loop_accepted),
+            "replayed_al": chain_al(replays.pop("own hits")),
             "by_base_confidence": by_conf,
-            "oracle_al": {name: round(e / n, 4) for name, (n, e) in oracle.items()}}
+            "oracle_al": {name: chain_al(counts) for name, counts in replays.items()}}
 
 
 @torch.no_grad()
