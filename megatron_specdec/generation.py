@@ -10,6 +10,9 @@ slots and RoPE positions they would have alone, whatever the batch.
 import torch
 import torch.distributed as dist
 
+# Greedy plain_generate drops finished rows once they are 1/_DROP_SHARE of the batch.
+_DROP_SHARE = 4
+
 
 class StageRunner:
     """One forward of this pipeline stage over a preallocated KV cache: `step(tokens)` appends
@@ -168,10 +171,11 @@ def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=tokens.device)
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     results = [[] for _ in range(batch)]
+    rows = list(range(batch))  # the prompt each batch row answers
     step_input, counts = tokens, lengths
     for _ in range(max_new_tokens):
         logits = runner.step(step_input, last_only=True, counts=counts)
-        next_tokens = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+        next_tokens = torch.zeros(len(rows), dtype=torch.long, device=tokens.device)
         if runner.last and temperature == 0:
             next_tokens = logits[:, -1].argmax(-1)
         elif runner.last:
@@ -179,11 +183,21 @@ def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done
         # One device->host copy per step, not one per row.
-        for i, (token, stop) in enumerate(zip(next_tokens.tolist(), finished.tolist())):
+        for row, token, stop in zip(rows, next_tokens.tolist(), finished.tolist()):
             if not stop:
-                results[i].append(token)
+                results[row].append(token)
         done = finished
         if bool(done.all()):
             break
+        if temperature == 0 and int(done.sum()) * _DROP_SHARE >= len(rows):
+            # Finished rows leave the batch once they are a quarter of it: a long answer no
+            # longer carries the compute of the short ones (the cache copy is paid a few times
+            # a batch, not once a row). Sampling keeps every row, so that a seed draws what
+            # it always drew.
+            keep = (~done).nonzero().flatten()
+            runner.keep_rows(keep)
+            rows = [rows[i] for i in keep.tolist()]
+            next_tokens, done = next_tokens[keep], done[keep]
         step_input, counts = next_tokens.unsqueeze(1), None
     return results
+

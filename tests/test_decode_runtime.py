@@ -3,7 +3,8 @@ weight-on-the-left product equals F.linear at every row count and returns a tens
 tensor-parallel all-reduce can work on in place; the SDPA inference attention equals
 megatron's DotProductAttention (grouped queries, arbitrary mask); a decode over the
 rotated-key cache equals one full forward; a left-padded batch gives each row its batch-1
-greedy output; padding never puts NaN in the cache."""
+greedy output, and rows that finish leave a greedy batch without changing the others';
+padding never puts NaN in the cache."""
 
 import pytest
 import torch
@@ -81,6 +82,23 @@ def test_left_padded_batch_rows_equal_their_batch_1_output(model):
     assert runner.lengths.tolist() == [3, 17, 9]  # padding takes no slot of its row
     for keys, values in runner.context.key_value_memory_dict.values():
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+
+
+def test_finished_rows_leave_a_greedy_batch_and_the_rest_keep_their_output(model, monkeypatch):
+    from megatron_specdec.generation import StageRunner, plain_generate
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, HF["vocab_size"], (n,), generator=g).tolist()
+               for n in (4, 11, 7, 15)]
+    full = plain_generate(model.base, prompts, 12, HF["vocab_size"])
+    eos = {full[0][2], full[1][5]}  # rows 0 and 1 stop early (others may too)
+    expected = [next((row[:k] for k, t in enumerate(row) if t in eos), row) for row in full]
+    kept = []
+    keep_rows = StageRunner.keep_rows
+    monkeypatch.setattr(StageRunner, "keep_rows",
+                        lambda self, rows: (kept.append(rows.tolist()), keep_rows(self, rows)))
+    assert plain_generate(model.base, prompts, 12, HF["vocab_size"], eos_ids=eos) == expected
+    assert kept, "a quarter of the batch finished, yet no row left it"
 
 
 def test_bad_generation_input_is_named(model):
