@@ -1,5 +1,6 @@
 """The Megatron backend adapter on the embedded SmolLM2: its regenerated answer matches
-Hugging Face greedy decoding of the same chat-templated prompt."""
+Hugging Face greedy decoding of the same chat-templated prompt; with `dtype="bfloat16"` its
+weights are bf16 and it answers a short question as float32 does."""
 
 import json
 
@@ -47,3 +48,22 @@ def test_regenerated_answer_matches_hf_greedy(tmp_path):
         assert out["conversations"][1]["content"] == expected
         assert out["finish_reasons"] == ["stop" if stopped else "length"]
     assert [w["finish_reasons"][0] for w in written] == ["stop", "length"]
+
+
+@pytest.mark.slow
+def test_bfloat16_backend_holds_bfloat16_weights_and_answers_alike(tmp_path):
+    from megatron_specdec.data.megatron_backend import MegatronBackend
+    from megatron_specdec.distributed import destroy
+
+    rows = [PromptRow("s:1", "s", ("Is the sky blue? Answer yes or no.",))]
+    answers = {}
+    for dtype in ("float32", "bfloat16"):
+        backend = MegatronBackend("default", dtype=dtype)
+        try:
+            assert {p.dtype for p in backend.model.parameters()} == {getattr(torch, dtype)}
+            regenerate(rows, backend, backend.tokenizer, tmp_path / f"{dtype}.jsonl",
+                       max_new_tokens=4, progress=False)
+        finally:
+            destroy()
+        answers[dtype] = json.loads((tmp_path / f"{dtype}.jsonl").read_text())["conversations"]
+    assert answers["bfloat16"] == answers["float32"]

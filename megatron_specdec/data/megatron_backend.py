@@ -13,15 +13,17 @@ from megatron_specdec.data.conversations import end_of_turn_ids, load_tokenizer
 
 
 class MegatronBackend:
-    """`tokenizer` defaults to the one stored with the checkpoint."""
+    """`tokenizer` defaults to the one stored with the checkpoint; `dtype` ("float32",
+    "bfloat16" or None: the checkpoint's own) is the parameters'."""
 
-    def __init__(self, checkpoint: str = "default", tokenizer=None):
+    def __init__(self, checkpoint: str = "default", tokenizer=None, dtype: Optional[str] = None):
         from megatron_specdec import distributed
         from megatron_specdec.generation import plain_generate
         from megatron_specdec.loading import load_model
 
         distributed.initialize(tp=1, pp=1)
-        loaded = load_model(checkpoint, with_draft=False)
+        loaded = load_model(checkpoint, dtype=getattr(torch, dtype) if dtype else None,
+                            with_draft=False)
         self.model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
         self._generate = plain_generate
