@@ -200,4 +200,3 @@ def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids
             next_tokens, done = next_tokens[keep], done[keep]
         step_input, counts = next_tokens.unsqueeze(1), None
     return results
-
