@@ -51,8 +51,8 @@ def _backend_args(p):
         "--dtype",
         choices=("float32", "bfloat16"),
         help="megatron backend: the parameters' dtype (default: the checkpoint's; float32 for "
-        "'default'). bfloat16 is for GPUs: on the 2-core AVX512-BF16 CPU it generated at 0.63x "
-        "float32's tokens/s (batch 64)",
+        "'default'). bfloat16 is for GPUs: on the 2-core AVX512-BF16 CPU it generated at 0.65x "
+        "float32's tokens/s (batch 64, bench/bench_regenerate.py)",
     )
     p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="openai backend: served model name")
