@@ -52,6 +52,7 @@ def test_regenerated_answer_matches_hf_greedy(tmp_path):
 
 @pytest.mark.slow
 def test_bfloat16_backend_holds_bfloat16_weights_and_answers_alike(tmp_path):
+    from megatron_specdec.checkpoint import dtype_from_name
     from megatron_specdec.data.megatron_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
@@ -60,7 +61,7 @@ def test_bfloat16_backend_holds_bfloat16_weights_and_answers_alike(tmp_path):
     for dtype in ("float32", "bfloat16"):
         backend = MegatronBackend("default", dtype=dtype)
         try:
-            assert {p.dtype for p in backend.model.parameters()} == {getattr(torch, dtype)}
+            assert {p.dtype for p in backend.model.parameters()} == {dtype_from_name(dtype)}
             regenerate(rows, backend, backend.tokenizer, tmp_path / f"{dtype}.jsonl",
                        max_new_tokens=4, progress=False)
         finally:

@@ -17,12 +17,13 @@ class MegatronBackend:
     "bfloat16" or None: the checkpoint's own) is the parameters'."""
 
     def __init__(self, checkpoint: str = "default", tokenizer=None, dtype: Optional[str] = None):
+        from megatron_specdec import checkpoint as ckpt
         from megatron_specdec import distributed
         from megatron_specdec.generation import plain_generate
         from megatron_specdec.loading import load_model
 
         distributed.initialize(tp=1, pp=1)
-        loaded = load_model(checkpoint, dtype=getattr(torch, dtype) if dtype else None,
+        loaded = load_model(checkpoint, dtype=ckpt.dtype_from_name(dtype) if dtype else None,
                             with_draft=False)
         self.model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
