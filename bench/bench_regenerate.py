@@ -26,7 +26,7 @@ PROMPTS = ROOT / "data" / "smollm2_synth_steered3_prompts.jsonl.gz"
 
 
 def answer(dtype, rows, args, out_path):
-    """(completion tokens/s, the answers) of the regenerator at `dtype`."""
+    """(the regenerator's RegenStats, its answers) at `dtype`."""
     from megatron_specdec.data import regenerate
     from megatron_specdec.data.megatron_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
@@ -39,7 +39,7 @@ def answer(dtype, rows, args, out_path):
         destroy()
     answers = [json.loads(line)["conversations"][-1]["content"]
                for line in out_path.read_text().splitlines()]
-    return stats.completion_tokens / stats.seconds, stats, answers
+    return stats, answers
 
 
 def main():
@@ -61,7 +61,8 @@ def main():
     results, first = {}, None
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            rate, stats, answers = answer(dtype, rows, args, Path(tmp) / f"{dtype}.jsonl")
+            stats, answers = answer(dtype, rows, args, Path(tmp) / f"{dtype}.jsonl")
+            rate = stats.completion_tokens / stats.seconds
             first = first or answers
             results[dtype] = {"completion_tokens": stats.completion_tokens,
                               "seconds": stats.seconds, "tokens_per_s": rate,
