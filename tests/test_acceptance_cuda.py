@@ -78,12 +78,14 @@ def _same(fused, ref):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("vocab", [1, 300, 49152])
-def test_cuda_chain_ops_match_reference(cuda_ops, dtype, vocab):
+@pytest.mark.parametrize("vocab", [1, 300, 49152, 128256])
+@pytest.mark.parametrize("batch", [1, 24])
+def test_cuda_chain_ops_match_reference(cuda_ops, dtype, vocab, batch):
+    """Batch 1 splits each row over many blocks of the statistics pass; batch 24 over few."""
     from tests.test_acceptance_equivalence import chain_case
 
     gen = torch.Generator().manual_seed(21)
-    draft, logits, lens, q, u = chain_case(gen, 24, 6, vocab, dtype, accept_bias=3.0 + (vocab > 1000) * 9)
+    draft, logits, lens, q, u = chain_case(gen, batch, 6, vocab, dtype, accept_bias=3.0 + (vocab > 1000) * 9)
     dev = [t.cuda() for t in (draft, logits, lens, q, u)]
     _same(cuda_ops.greedy_chain_verify(*dev[:3]), reference.greedy_chain_verify(draft, logits, lens))
     ids = logits.argmax(-1)

@@ -24,21 +24,39 @@ struct ChainShape {
   int64_t batch, k, vocab;
 };
 
+// Rows of target logits split into chunks for the parallel statistics pass (row_stats_cuda.cu):
+// `rows` = requests x rows_per_request, each of `vocab` logits, read as `chunks` of `chunk_len`.
+struct RowStatsShape {
+  int64_t rows, rows_per_request, vocab, chunks, chunk_len;
+};
+
+// The split for this device (enough blocks for every SM) and its workspace in bytes.
+RowStatsShape row_stats_shape(int64_t requests, int64_t rows_per_request, int64_t vocab);
+int64_t row_stats_bytes(const RowStatsShape& shape);
+
+// Writes one RowPart per (row, chunk) into `parts`; rows past lens[request] are skipped
+// (lens may be null). Without `softmax` only the argmax and NaN flag are computed.
+void launch_row_stats(const void* logits, DType logits_dtype, const int64_t* lens, const RowStatsShape& shape,
+                      double temperature, bool softmax, void* parts, cudaStream_t stream);
+
+// `workspace`: row_stats_bytes(row_stats_shape(batch, k + 1, vocab)) bytes, here and below.
 void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                         ChainShape shape, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
+                         ChainShape shape, void* workspace, int64_t* tokens, int64_t* counts, int* error,
+                         cudaStream_t stream);
 
 void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, const int64_t* lens, ChainShape shape,
                              int64_t* tokens, int64_t* counts, cudaStream_t stream);
 
-// scratch: batch * vocab doubles.
+// scratch: batch * vocab doubles. The workspace is unused (may be null) under top-k or top-p,
+// whose cuts each request's block finds itself.
 void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                              const void* draft_probs, DType probs_dtype, const float* uniforms, Sampling sampling,
-                             ChainShape shape, double* scratch, int64_t* tokens, int64_t* counts, int* error,
-                             cudaStream_t stream);
+                             ChainShape shape, double* scratch, void* workspace, int64_t* tokens, int64_t* counts,
+                             int* error, cudaStream_t stream);
 
 void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                    double temperature, double eps, double alpha, ChainShape shape, int64_t* tokens, int64_t* counts,
-                    int* error, cudaStream_t stream);
+                    double temperature, double eps, double alpha, ChainShape shape, void* workspace,
+                    int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
 
 // Shapes of the tree ops: B requests, N nodes, V vocabulary, outputs sized by max_depth.
 struct TreeShape {

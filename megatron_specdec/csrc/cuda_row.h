@@ -226,13 +226,26 @@ __device__ void row_probs(const T* row, int64_t vocab, const RowDist& d, double 
   __syncthreads();
 }
 
-__device__ inline double buffer_sum(const double* w, int64_t vocab, Shared& sh) {
-  double s = 0.0;
-  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) s += w[j];
-  return block_sum(s, sh);
+// Warp 0 walks w[begin, end) 32 at a time (a warp prefix sum per step) and returns the
+// first index whose running sum exceeds `target`, or -1 with `running` advanced past the end.
+__device__ inline int64_t warp_find(const double* w, int64_t begin, int64_t end, double target, double& running) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t j = base + lane;
+    double v = j < end ? w[j] : 0.0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const double up = __shfl_up_sync(kFullMask, v, o);
+      if (lane >= o) v += up;
+    }
+    const unsigned hit = __ballot_sync(kFullMask, j < end && running + v > target);
+    if (hit) return base + __ffs(static_cast<int>(hit)) - 1;
+    running += __shfl_sync(kFullMask, v, 31);
+  }
+  return -1;
 }
 
 // Inverse-CDF draw from weights w: the first index whose running sum exceeds u * total.
+// Each thread sums one contiguous chunk; warp 0 finds the chunk, then the index in it.
 __device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
   const int64_t chunk = (vocab + kThreads - 1) / kThreads;
   const int64_t begin = threadIdx.x * chunk, end = begin + chunk < vocab ? begin + chunk : vocab;
@@ -240,31 +253,27 @@ __device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u
   for (int64_t j = begin; j < end; ++j) s += w[j];
   sh.chunk[threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {
     double total = 0.0;
-    for (int c = 0; c < kThreads; ++c) total += sh.chunk[c];
+    for (int c = threadIdx.x; c < kThreads; c += 32) total += sh.chunk[c];
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
     const double target = u * total;
     double running = 0.0;
     int64_t pick = -1;
-    for (int c = 0; c < kThreads && pick < 0; ++c) {
-      if (running + sh.chunk[c] <= target) {
-        running += sh.chunk[c];
-        continue;
-      }
-      const int64_t e = (c + 1) * chunk < vocab ? (c + 1) * chunk : vocab;
-      for (int64_t j = c * chunk; j < e; ++j) {
-        running += w[j];
-        if (running > target) {
-          pick = j;
-          break;
-        }
-      }
+    const int64_t c = warp_find(sh.chunk, 0, kThreads, target, running);
+    if (c >= 0) {
+      // From the mass ahead of chunk c; rounding may carry the search into later chunks.
+      double before = 0.0;
+      warp_find(sh.chunk, 0, c, pos_inf(), before);
+      pick = warp_find(w, c * chunk, vocab, target, before);
     }
-    // Rounding put the target past the last partial sum: take the last drawable index.
-    for (int64_t j = vocab - 1; pick < 0 && j > 0; --j) {
-      if (w[j] > 0.0) pick = j;
+    if (threadIdx.x == 0) {
+      // Rounding put the target past the last partial sum: take the last drawable index.
+      for (int64_t j = vocab - 1; pick < 0 && j > 0; --j) {
+        if (w[j] > 0.0) pick = j;
+      }
+      sh.bcast_idx = pick < 0 ? 0 : pick;
     }
-    sh.bcast_idx = pick < 0 ? 0 : pick;
   }
   __syncthreads();
   const int64_t r = sh.bcast_idx;

@@ -1,65 +1,65 @@
-// CUDA kernel of Medusa typical acceptance: one block per request (see typical_verify.cpp).
+// CUDA kernel of Medusa typical acceptance (see typical_verify.cpp): the parallel pass
+// (row_stats_cuda.cu) gives each row's max, normaliser, entropy sum and argmax; one
+// thread per request then walks its chain reading one logit per row.
 #include <cmath>
 
 #include "cuda_kernels.h"
-#include "cuda_row.h"
+#include "cuda_row_stats.h"
 
 namespace specdec {
 namespace cuda {
 namespace {
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) typical_kernel(const int64_t* draft, const T* logits,
-                                                           const int64_t* lens, double temperature, double eps,
-                                                           double alpha, ChainShape s, int64_t* tokens,
-                                                           int64_t* counts, int* error) {
-  __shared__ Shared sh;
-  const int64_t b = blockIdx.x, vocab = s.vocab;
+__global__ void typical_kernel(const int64_t* draft, const T* logits, const RowPart* parts, int64_t chunks,
+                               const int64_t* lens, double temperature, double eps, double alpha, ChainShape s,
+                               int64_t* tokens, int64_t* counts, int* error) {
+  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (b >= s.batch) return;
+  const int64_t vocab = s.vocab;
   const int64_t* d = draft + b * s.k;
   const T* rows = logits + b * (s.k + 1) * vocab;
+  const RowPart* row_parts = parts + b * (s.k + 1) * chunks;
   int64_t n = 0;
   for (; n < lens[b]; ++n) {
     // p(d) > min(eps, alpha * exp(-H)), H = log Z - sum e (x - max) / Z.
-    const T* row = rows + n * vocab;
-    if (d[n] < 0 || d[n] >= vocab) return report(error, kBadId);
-    double m = -pos_inf();
-    int bad = 0;
-    for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-      const double x = to_double(row[j]) / temperature;
-      bad |= !(x < pos_inf());
-      m = fmax(m, x);
+    if (d[n] < 0 || d[n] >= vocab) {
+      atomicCAS(error, 0, kBadId);
+      return;
     }
-    bad = __syncthreads_or(bad);
-    m = block_max(m, sh);
-    if (bad || !(m > -pos_inf())) return report(error, bad ? kBadLogit : kEmptyRow);
-    double z = 0.0, xe = 0.0;
-    for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-      const double v = to_double(row[j]) / temperature - m, e = exp(v);
-      z += e;
-      xe += e > 0.0 ? e * v : 0.0;
+    const RowPart row = combine_parts(row_parts + n * chunks, chunks);
+    if ((row.flags & kPartBad) || !(row.max > -pos_inf())) {
+      atomicCAS(error, 0, (row.flags & kPartBad) ? kBadLogit : kEmptyRow);
+      return;
     }
-    z = block_sum(z, sh);
-    xe = block_sum(xe, sh);
-    const double entropy = log(z) - xe / z;
-    const double p = exp(to_double(row[d[n]]) / temperature - m) / z;
+    const double entropy = log(row.sum) - row.xsum / row.sum;
+    const double p = exp(to_double(rows[n * vocab + d[n]]) / temperature - row.max) / row.sum;
     if (!(p > fmin(eps, alpha * exp(-entropy)))) break;
   }
-  const int64_t last = block_argmax(rows + n * vocab, vocab, sh, error);
-  if (last < 0) return;
-  write_row(tokens + b * (s.k + 1), s.k + 1, n, last, [&](int64_t i) { return d[i]; });
-  if (threadIdx.x == 0) counts[b] = n;
+  const RowPart last = combine_parts(row_parts + n * chunks, chunks);
+  if (last.flags & kPartNaN) {
+    atomicCAS(error, 0, kBadLogit);
+    return;
+  }
+  for (int64_t i = 0; i <= s.k; ++i) tokens[b * (s.k + 1) + i] = i < n ? d[i] : (i == n ? last.best_idx : -1);
+  counts[b] = n;
 }
 
 }  // namespace
 
 void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                    double temperature, double eps, double alpha, ChainShape shape, int64_t* tokens, int64_t* counts,
-                    int* error, cudaStream_t stream) {
+                    double temperature, double eps, double alpha, ChainShape shape, void* workspace,
+                    int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
+  const RowStatsShape rs = row_stats_shape(shape.batch, shape.k + 1, shape.vocab);
+  launch_row_stats(logits, logits_dtype, lens, rs, temperature, true, workspace, stream);
+  constexpr int kPerBlock = 128;
+  const unsigned blocks = static_cast<unsigned>((shape.batch + kPerBlock - 1) / kPerBlock);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
-    typical_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(
-        draft, static_cast<const T*>(logits), lens, temperature, eps, alpha, shape, tokens, counts, error);
+    typical_kernel<T><<<blocks, kPerBlock, 0, stream>>>(draft, static_cast<const T*>(logits),
+                                                        static_cast<const RowPart*>(workspace), rs.chunks, lens,
+                                                        temperature, eps, alpha, shape, tokens, counts, error);
   });
 }
 

@@ -1,0 +1,38 @@
+#!/bin/bash
+# The GPU checks of the acceptance ops in one go, for a machine with an NVIDIA GPU, torch with
+# CUDA, nvcc, pytest, Nsight Compute and compute-sanitizer (~4 min on an H100):
+#   build, the CUDA tests, memcheck over them, bench/bench_acceptance.py --device cuda, and an
+#   ncu profile of the stochastic chain at B=64 K=8 vocab 128256.
+#     bash bench/gpu_acceptance.sh [OUT_DIR]     # default bench/results
+# Builds with the system compiler: a second GCC first on PATH made a module that crashed on
+# its first error message (README, "CUDA kernels").
+set -u
+out=${1:-bench/results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() { echo "== $* ($(date +%T))"; }
+
+step build
+CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" MAX_JOBS=${MAX_JOBS:-16} \
+  python3 setup.py -q build_ext --inplace >"$out/gpu_build.log" 2>&1 || { tail -40 "$out/gpu_build.log"; exit 1; }
+
+step tests
+python3 -m pytest -q -p no:cacheprovider tests/test_acceptance_cuda.py tests/test_acceptance_equivalence.py 2>&1 |
+  tail -15
+
+step "compute-sanitizer memcheck (float32 cases)"
+compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_acceptance_cuda.py -k "float32 or tree or errors" 2>&1 | tail -8
+echo "memcheck exit status ${PIPESTATUS[0]}"
+
+step bench
+python3 bench/bench_acceptance.py --device cuda --repeats 20
+
+step "ncu: stochastic chain B=64 K=8 vocab 128256"
+ncu --kernel-name regex:"row_stats|chain|typical|tree" --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+  --section ComputeWorkloadAnalysis --section WarpStateStats \
+  python3 bench/bench_acceptance.py --device cuda --vocab 128256 --repeats 1 \
+  --only "stochastic_chain B=64 K=8" >"$out/ncu_stochastic_chain_B64_K8_V128256.txt" 2>&1
+grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy" \
+  "$out/ncu_stochastic_chain_B64_K8_V128256.txt" | head -60
+step done

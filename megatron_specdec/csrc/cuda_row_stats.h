@@ -1,0 +1,76 @@
+// Per-row statistics of target logits, computed by many blocks at once (include from .cu files).
+// The chain ops read every row a request may need in one parallel pass (row_stats_cuda.cu):
+// a row is split into chunks, one block per (row, chunk), each reading its chunk once with
+// 16-byte loads and keeping an online softmax in float64. The per-request decisions then
+// merge a row's chunks in index order, so results do not depend on the launch.
+#pragma once
+
+#include "cuda_row.h"
+
+namespace specdec {
+namespace cuda {
+
+// Flags of a RowPart: a NaN logit; a NaN or +inf logit after temperature.
+constexpr int kPartNaN = 1;
+constexpr int kPartBad = 2;
+
+// What was read of one chunk of a row, with x = logit / temperature in float64:
+// max x, sum exp(x - max), sum exp(x - max) (x - max) (for the entropy), and the
+// largest raw logit with its first index (torch.argmax).
+struct RowPart {
+  double max, sum, xsum, best;
+  int64_t best_idx;
+  int flags;
+};
+
+__device__ __forceinline__ RowPart empty_part() { return RowPart{-pos_inf(), 0.0, 0.0, -pos_inf(), -1, 0}; }
+
+// Adds chunk `o` to `a`; both hold sums relative to their own max.
+__device__ __forceinline__ void merge_parts(RowPart& a, const RowPart& o) {
+  if (o.max > a.max) {
+    const double c = a.max > -pos_inf() ? exp(a.max - o.max) : 0.0;
+    a.xsum = a.max > -pos_inf() ? c * (a.xsum + (a.max - o.max) * a.sum) + o.xsum : o.xsum;
+    a.sum = c * a.sum + o.sum;
+    a.max = o.max;
+  } else if (o.max > -pos_inf()) {
+    const double c = exp(o.max - a.max);
+    a.xsum += c * (o.xsum + (o.max - a.max) * o.sum);
+    a.sum += c * o.sum;
+  }
+  if (o.best_idx >= 0 && (a.best_idx < 0 || o.best > a.best || (o.best == a.best && o.best_idx < a.best_idx))) {
+    a.best = o.best;
+    a.best_idx = o.best_idx;
+  }
+  a.flags |= o.flags;
+}
+
+// One row's statistics from its chunks (any thread; chunks merged in index order).
+__device__ inline RowPart combine_parts(const RowPart* parts, int64_t chunks) {
+  RowPart r = empty_part();
+  for (int64_t c = 0; c < chunks; ++c) merge_parts(r, parts[c]);
+  return r;
+}
+
+// Calls f(j, value) for j in [begin, end) of `row`, thread-strided: 16-byte loads of the
+// aligned body, single loads of the unaligned head and the tail. Each thread sees its
+// indices in increasing order.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_in(const T* row, int64_t begin, int64_t end, F f) {
+  constexpr int64_t kVec = 16 / sizeof(T);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(row + begin);
+  int64_t head = static_cast<int64_t>((16 - addr % 16) % 16) / static_cast<int64_t>(sizeof(T));
+  if (head > end - begin) head = end - begin;
+  for (int64_t j = begin + threadIdx.x; j < begin + head; j += blockDim.x) f(j, row[j]);
+  const int64_t body = begin + head, nvec = (end - body) / kVec;
+  const uint4* vec = reinterpret_cast<const uint4*>(row + body);
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    const uint4 raw = __ldg(vec + i);
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int64_t e = 0; e < kVec; ++e) f(body + i * kVec + e, v[e]);
+  }
+  for (int64_t j = body + nvec * kVec + threadIdx.x; j < end; j += blockDim.x) f(j, row[j]);
+}
+
+}  // namespace cuda
+}  // namespace specdec
