@@ -89,8 +89,7 @@ __global__ void __launch_bounds__(kThreads) stochastic_chain_kernel(const int64_
     int bad = 0;
     const int64_t qrow = (b * s.k + n) * vocab, drafted = d[n];
     for_each_in(row, 0, vocab, [&](int64_t j, T raw) {
-      const double x = to_double(raw) / sp.temperature;
-      const double pj = x >= dist.cut ? exp(x - dist.max) / dist.sum : 0.0;
+      const double pj = value_prob(raw, dist, sp.temperature);
       double r;
       if (q) {
         const double qj = load_prob(q, q_dtype, qrow + j);
@@ -130,30 +129,28 @@ void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, co
 }
 
 void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                         ChainShape shape, void* workspace, int64_t* tokens, int64_t* counts, int* error,
-                         cudaStream_t stream) {
+                         ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
+                         int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  const RowStatsShape rs = row_stats_shape(shape.batch, shape.k + 1, shape.vocab);
-  launch_row_stats(logits, logits_dtype, lens, rs, 1.0, false, workspace, stream);
+  launch_row_stats(logits, logits_dtype, lens, stats, 1.0, false, workspace, stream);
   constexpr int kPerBlock = 128;
   greedy_chain_kernel<<<static_cast<unsigned>((shape.batch + kPerBlock - 1) / kPerBlock), kPerBlock, 0, stream>>>(
-      draft, static_cast<const RowPart*>(workspace), lens, shape, rs.chunks, tokens, counts, error);
+      draft, static_cast<const RowPart*>(workspace), lens, shape, stats.chunks, tokens, counts, error);
 }
 
 void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                              const void* draft_probs, DType probs_dtype, const float* uniforms, Sampling sampling,
-                             ChainShape shape, double* scratch, void* workspace, int64_t* tokens, int64_t* counts,
-                             int* error, cudaStream_t stream) {
+                             ChainShape shape, double* scratch, const RowStatsShape& stats, void* workspace,
+                             int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
   const bool filtered = sampling.top_k > 0 || sampling.top_p < 1.0;
-  const RowStatsShape rs = row_stats_shape(shape.batch, shape.k + 1, shape.vocab);
-  if (!filtered) launch_row_stats(logits, logits_dtype, lens, rs, sampling.temperature, true, workspace, stream);
+  if (!filtered) launch_row_stats(logits, logits_dtype, lens, stats, sampling.temperature, true, workspace, stream);
   const RowPart* parts = filtered ? nullptr : static_cast<const RowPart*>(workspace);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
     stochastic_chain_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(
         draft, static_cast<const T*>(logits), lens, draft_probs, probs_dtype, uniforms, sampling, shape, parts,
-        rs.chunks, scratch, tokens, counts, error);
+        stats.chunks, scratch, tokens, counts, error);
   });
 }
 

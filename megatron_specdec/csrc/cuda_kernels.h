@@ -39,10 +39,11 @@ int64_t row_stats_bytes(const RowStatsShape& shape);
 void launch_row_stats(const void* logits, DType logits_dtype, const int64_t* lens, const RowStatsShape& shape,
                       double temperature, bool softmax, void* parts, cudaStream_t stream);
 
-// `workspace`: row_stats_bytes(row_stats_shape(batch, k + 1, vocab)) bytes, here and below.
+// `stats`: row_stats_shape(batch, k + 1, vocab), computed once by the caller, which sizes
+// `workspace` with row_stats_bytes(stats); here and below.
 void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                         ChainShape shape, void* workspace, int64_t* tokens, int64_t* counts, int* error,
-                         cudaStream_t stream);
+                         ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
+                         int64_t* counts, int* error, cudaStream_t stream);
 
 void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, const int64_t* lens, ChainShape shape,
                              int64_t* tokens, int64_t* counts, cudaStream_t stream);
@@ -51,12 +52,12 @@ void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, co
 // whose cuts each request's block finds itself.
 void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                              const void* draft_probs, DType probs_dtype, const float* uniforms, Sampling sampling,
-                             ChainShape shape, double* scratch, void* workspace, int64_t* tokens, int64_t* counts,
-                             int* error, cudaStream_t stream);
+                             ChainShape shape, double* scratch, const RowStatsShape& stats, void* workspace,
+                             int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
 
 void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                    double temperature, double eps, double alpha, ChainShape shape, void* workspace,
-                    int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
+                    double temperature, double eps, double alpha, ChainShape shape, const RowStatsShape& stats,
+                    void* workspace, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream);
 
 // Shapes of the tree ops: B requests, N nodes, V vocabulary, outputs sized by max_depth.
 struct TreeShape {

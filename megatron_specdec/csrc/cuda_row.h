@@ -214,10 +214,16 @@ __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double
   return true;
 }
 
+// p of one logit already read.
+template <typename T>
+__device__ __forceinline__ double value_prob(T logit, const RowDist& d, double temperature) {
+  const double x = to_double(logit) / temperature;
+  return x >= d.cut ? exp(x - d.max) / d.sum : 0.0;
+}
+
 template <typename T>
 __device__ __forceinline__ double row_prob(const T* row, int64_t j, const RowDist& d, double temperature) {
-  const double x = to_double(row[j]) / temperature;
-  return x >= d.cut ? exp(x - d.max) / d.sum : 0.0;
+  return value_prob(row[j], d, temperature);
 }
 
 template <typename T>

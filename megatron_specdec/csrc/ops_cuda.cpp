@@ -46,10 +46,16 @@ void raise_value_error(const char* op, const Tensor& flag) {
   TORCH_CHECK(code != kBadId, op, ": a token id or parent index is out of range");
 }
 
-// Bytes for the row-statistics pass of a chain op (cuda_kernels.h), as a byte tensor.
-Tensor chain_workspace(const Tensor& draft_ids, int64_t vocab) {
-  const auto shape = cuda::row_stats_shape(draft_ids.size(0), draft_ids.size(1) + 1, vocab);
-  return at::empty({cuda::row_stats_bytes(shape)}, draft_ids.options().dtype(at::kByte));
+// The row-statistics split of a chain op (cuda_kernels.h) and its workspace as a byte tensor:
+// one split per call, handed to the launcher that reads it.
+struct ChainWorkspace {
+  cuda::RowStatsShape stats;
+  Tensor bytes;
+};
+
+ChainWorkspace chain_workspace(const Tensor& draft_ids, int64_t vocab) {
+  const auto stats = cuda::row_stats_shape(draft_ids.size(0), draft_ids.size(1) + 1, vocab);
+  return {stats, at::empty({cuda::row_stats_bytes(stats)}, draft_ids.options().dtype(at::kByte))};
 }
 
 std::tuple<Tensor, Tensor> chain_outputs(const Tensor& draft_ids) {
@@ -90,10 +96,11 @@ std::tuple<Tensor, Tensor> greedy_chain_verify_cuda(const Tensor& draft_ids, con
   const auto d = draft_ids.contiguous(), x = target_logits.contiguous(), l = draft_lens.contiguous();
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
-  auto workspace = chain_workspace(d, vocab);
+  const auto workspace = chain_workspace(d, vocab);
   cuda::launch_greedy_chain(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(),
-                            {d.size(0), d.size(1), vocab}, workspace.data_ptr(), tokens.data_ptr<int64_t>(),
-                            counts.data_ptr<int64_t>(), flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
+                            {d.size(0), d.size(1), vocab}, workspace.stats, workspace.bytes.data_ptr(),
+                            tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), flag.data_ptr<int>(),
+                            c10::cuda::getCurrentCUDAStream());
   raise_value_error(op, flag);
   return {tokens, counts};
 }
@@ -120,13 +127,13 @@ std::tuple<Tensor, Tensor> stochastic_chain_verify_cuda(const Tensor& draft_ids,
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
   auto scratch = at::empty({d.size(0), vocab}, x.options().dtype(at::kDouble));
-  auto workspace = chain_workspace(d, vocab);
+  const auto workspace = chain_workspace(d, vocab);
   cuda::launch_stochastic_chain(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(),
                                 q.defined() ? q.data_ptr() : nullptr,
                                 q.defined() ? dtype_of(q) : cuda::DType::kFloat32, u.data_ptr<float>(),
                                 {temperature, top_k, top_p}, {d.size(0), k, vocab}, scratch.data_ptr<double>(),
-                                workspace.data_ptr(), tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
+                                workspace.stats, workspace.bytes.data_ptr(), tokens.data_ptr<int64_t>(),
+                                counts.data_ptr<int64_t>(), flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
   raise_value_error(op, flag);
   return {tokens, counts};
 }
@@ -147,10 +154,11 @@ std::tuple<Tensor, Tensor> typical_verify_cuda(const Tensor& draft_ids, const Te
   const auto d = draft_ids.contiguous(), x = target_logits.contiguous(), l = draft_lens.contiguous();
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
-  auto workspace = chain_workspace(d, vocab);
+  const auto workspace = chain_workspace(d, vocab);
   cuda::launch_typical(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(), temperature, eps,
-                       alpha, {d.size(0), d.size(1), vocab}, workspace.data_ptr(), tokens.data_ptr<int64_t>(),
-                       counts.data_ptr<int64_t>(), flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
+                       alpha, {d.size(0), d.size(1), vocab}, workspace.stats, workspace.bytes.data_ptr(),
+                       tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), flag.data_ptr<int>(),
+                       c10::cuda::getCurrentCUDAStream());
   raise_value_error(op, flag);
   return {tokens, counts};
 }

@@ -48,17 +48,16 @@ __global__ void typical_kernel(const int64_t* draft, const T* logits, const RowP
 }  // namespace
 
 void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
-                    double temperature, double eps, double alpha, ChainShape shape, void* workspace,
-                    int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
+                    double temperature, double eps, double alpha, ChainShape shape, const RowStatsShape& stats,
+                    void* workspace, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  const RowStatsShape rs = row_stats_shape(shape.batch, shape.k + 1, shape.vocab);
-  launch_row_stats(logits, logits_dtype, lens, rs, temperature, true, workspace, stream);
+  launch_row_stats(logits, logits_dtype, lens, stats, temperature, true, workspace, stream);
   constexpr int kPerBlock = 128;
   const unsigned blocks = static_cast<unsigned>((shape.batch + kPerBlock - 1) / kPerBlock);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
     typical_kernel<T><<<blocks, kPerBlock, 0, stream>>>(draft, static_cast<const T*>(logits),
-                                                        static_cast<const RowPart*>(workspace), rs.chunks, lens,
+                                                        static_cast<const RowPart*>(workspace), stats.chunks, lens,
                                                         temperature, eps, alpha, shape, tokens, counts, error);
   });
 }
