@@ -14,22 +14,24 @@ step() { echo "== $* ($(date +%T))"; }
 
 step build
 CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared" MAX_JOBS=${MAX_JOBS:-16} \
-  python3 setup.py -q build_ext --inplace >"$out/gpu_build.log" 2>&1 || { tail -40 "$out/gpu_build.log"; exit 1; }
+  timeout 300 python3 setup.py -q build_ext --inplace >"$out/gpu_build.log" 2>&1 || { tail -40 "$out/gpu_build.log"; exit 1; }
 
-step tests
-python3 -m pytest -q -p no:cacheprovider tests/test_acceptance_cuda.py tests/test_acceptance_equivalence.py 2>&1 |
-  tail -15
+step "the CUDA tests (-m gpu)"
+timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu tests/test_acceptance_cuda.py 2>&1 |
+  tee "$out/gpu_tests.log" | tail -15
 
-step "compute-sanitizer memcheck (float32 cases)"
-compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-  python3 -m pytest -q -p no:cacheprovider tests/test_acceptance_cuda.py -k "float32 or tree or errors" 2>&1 | tail -8
+step "compute-sanitizer memcheck (float32 cases below vocab 128256, tree, errors)"
+timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_acceptance_cuda.py -k "float32 and not 128256 or tree or errors" \
+  2>&1 | tee "$out/gpu_memcheck.log" | tail -8
 echo "memcheck exit status ${PIPESTATUS[0]}"
 
 step bench
-python3 bench/bench_acceptance.py --device cuda --repeats 20
+timeout 240 python3 bench/bench_acceptance.py --device cuda --repeats 20
+cp bench/results/acceptance_cuda.json "$out/" 2>/dev/null
 
 step "ncu: stochastic chain B=64 K=8 vocab 128256"
-ncu --kernel-name regex:"row_stats|chain|typical|tree" --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+timeout 120 ncu --kernel-name regex:"row_stats|chain|typical|tree" --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
   --section ComputeWorkloadAnalysis --section WarpStateStats \
   python3 bench/bench_acceptance.py --device cuda --vocab 128256 --repeats 1 \
   --only "stochastic_chain B=64 K=8" >"$out/ncu_stochastic_chain_B64_K8_V128256.txt" 2>&1

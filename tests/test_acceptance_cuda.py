@@ -77,7 +77,8 @@ def _same(fused, ref):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("vocab", [1, 300, 49152, 128256])
 @pytest.mark.parametrize("batch", [1, 24])
 def test_cuda_chain_ops_match_reference(cuda_ops, dtype, vocab, batch):
