@@ -1,12 +1,22 @@
 // CUDA kernels of greedy and lossless stochastic chain verification (see chain_verify.cpp).
-// A parallel pass first reads every row a request may need (row_stats_cuda.cu); the
-// decisions then take one logit per row, and one dense pass where the chain stops.
+// A parallel pass reads every row a request may need (row_stats_cuda.cu); one warp per
+// request merges its rows' chunks and decides, reading one logit per row; the stochastic
+// chain then spreads the dense pass over the row where it stops across (request, chunk)
+// blocks, and one block per request draws the last token from it.
 #include "cuda_kernels.h"
 #include "cuda_row_stats.h"
 
 namespace specdec {
 namespace cuda {
 namespace {
+
+constexpr int kWarpsPerBlock = 4;  // warp-per-request kernels: requests per block
+
+__device__ __forceinline__ int64_t warp_request() {
+  return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+}
+
+__device__ __forceinline__ void fail(int* error, int code) { atomicCAS(error, 0, code); }
 
 __global__ void greedy_chain_ids_kernel(const int64_t* draft, const int64_t* target, const int64_t* lens,
                                         ChainShape s, int64_t* tokens, int64_t* counts) {
@@ -20,103 +30,216 @@ __global__ void greedy_chain_ids_kernel(const int64_t* draft, const int64_t* tar
   counts[b] = n;
 }
 
-// One thread per request, after the argmax pass: accepts while the draft equals the argmax.
-__global__ void greedy_chain_kernel(const int64_t* draft, const RowPart* parts, const int64_t* lens, ChainShape s,
+// One warp per request, after the argmax pass: accepts while the draft equals the argmax.
+__global__ void greedy_chain_kernel(const int64_t* draft, const int64_t* lens, ChainShape s, ChainWorkspace ws,
                                     int64_t chunks, int64_t* tokens, int64_t* counts, int* error) {
-  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t b = warp_request();
   if (b >= s.batch) return;
+  const int64_t base = b * (s.k + 1);
+  merge_request_rows(ws.parts + base * chunks, chunks, lens[b] + 1, ws.merged + base);
+  if (threadIdx.x % 32 != 0) return;
   const int64_t* d = draft + b * s.k;
   int64_t n = 0, last = 0;
   for (;; ++n) {
-    const RowPart row = combine_parts(parts + (b * (s.k + 1) + n) * chunks, chunks);
-    if (row.flags & kPartNaN) {
-      atomicCAS(error, 0, kBadLogit);
-      return;
-    }
+    const RowPart& row = ws.merged[base + n];
+    if (row.flags & kPartNaN) return fail(error, kBadLogit);
     last = row.best_idx;
     if (n == lens[b] || d[n] != last) break;
   }
-  for (int64_t i = 0; i <= s.k; ++i) tokens[b * (s.k + 1) + i] = i < n ? d[i] : (i == n ? last : -1);
+  for (int64_t i = 0; i <= s.k; ++i) tokens[base + i] = i < n ? d[i] : (i == n ? last : -1);
   counts[b] = n;
 }
 
-// The distribution of row n: from the parallel pass when there is one (no top-k/top-p),
-// else found by this block. Reports and returns false on NaN/+inf or all -inf rows.
+// Accepts draft token d of a row with target distribution `dist` when u * q(d) < p(d).
+// Returns 1 (accept), 0 (reject) or -1 after reporting a bad draft probability.
 template <typename T>
-__device__ bool chain_row_dist(const T* row, const RowPart* row_parts, int64_t chunks, int64_t vocab,
-                               const Sampling& sp, double* w, Shared& sh, int* error, RowDist& dist) {
-  if (row_parts == nullptr) return row_dist(row, vocab, sp, w, sh, error, dist);
-  const RowPart p = combine_parts(row_parts, chunks);
-  if ((p.flags & kPartBad) || !(p.max > -pos_inf())) {
-    report(error, (p.flags & kPartBad) ? kBadLogit : kEmptyRow);
-    return false;
+__device__ int accept_draft(const T* row, int64_t d, const RowDist& dist, double inv_t, const void* q, DType q_dtype,
+                            int64_t qrow, float u, int* error) {
+  const double p = row_prob(row, d, dist, inv_t);
+  const double qd = q ? load_prob(q, q_dtype, qrow + d) : 1.0;
+  if (bad_prob(qd)) {
+    fail(error, kBadDraftProb);
+    return -1;
   }
-  dist = RowDist{p.max, p.sum, -pos_inf()};
-  return true;
+  return static_cast<double>(u) * qd < p ? 1 : 0;
 }
 
-// One block per request: accept tests read one logit per row; the block's threads share
-// the one dense pass, over the row where the chain stops (residual or bonus token).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) stochastic_chain_kernel(const int64_t* draft, const T* logits,
-                                                                    const int64_t* lens, const void* q,
-                                                                    DType q_dtype, const float* uniforms,
-                                                                    Sampling sp, ChainShape s, const RowPart* parts,
-                                                                    int64_t chunks, double* scratch,
-                                                                    int64_t* tokens, int64_t* counts, int* error) {
-  __shared__ Shared sh;
-  const int64_t b = blockIdx.x, vocab = s.vocab;
-  const int64_t* d = draft + b * s.k;
-  const float* u = uniforms + b * (s.k + 1);
-  const T* rows = logits + b * (s.k + 1) * vocab;
-  const RowPart* row_parts = parts ? parts + b * (s.k + 1) * chunks : nullptr;
-  double* w = scratch + b * vocab;
-  RowDist dist;
+// The decision of one request once each row's distribution can be had: `dist_of(n, out)`
+// returns false after reporting. Writes the accepted tokens, the count and the stop row.
+template <typename T, typename DistOf>
+__device__ void decide_chain(const int64_t* d, const T* rows, int64_t len, const void* q, DType q_dtype,
+                             const float* u, double inv_t, ChainShape s, int64_t b, DistOf dist_of, Stop& stop,
+                             int64_t* tokens, int64_t* counts, int* error) {
+  Stop out{RowDist{0.0, 0.0, 0.0}, -1, 0};
   int64_t n = 0;
-  bool rejected = false;
-  for (; n < lens[b]; ++n) {
-    const T* row = rows + n * vocab;
-    if (d[n] < 0 || d[n] >= vocab) return report(error, kBadId);
-    if (!chain_row_dist(row, row_parts ? row_parts + n * chunks : nullptr, chunks, vocab, sp, w, sh, error, dist)) {
-      return;
+  for (; n < len; ++n) {
+    if (d[n] < 0 || d[n] >= s.vocab) return fail(error, kBadId);
+    if (!dist_of(n, out.dist)) return;
+    const int verdict = accept_draft(rows + n * s.vocab, d[n], out.dist, inv_t, q, q_dtype, (b * s.k + n) * s.vocab,
+                                     u[n], error);
+    if (verdict < 0) return;
+    if (verdict == 0) {
+      out.rejected = 1;
+      break;
     }
-    const double p = row_prob(row, d[n], dist, sp.temperature);
-    const double qd = q ? load_prob(q, q_dtype, (b * s.k + n) * vocab + d[n]) : 1.0;
-    if (bad_prob(qd)) return report(error, kBadDraftProb);
-    if (static_cast<double>(u[n]) * qd < p) continue;
-    // Residual max(0, p - q): p without the draft token when q is one-hot; its mass on the way.
-    double local = 0.0;
-    int bad = 0;
-    const int64_t qrow = (b * s.k + n) * vocab, drafted = d[n];
-    for_each_in(row, 0, vocab, [&](int64_t j, T raw) {
-      const double pj = value_prob(raw, dist, sp.temperature);
-      double r;
-      if (q) {
-        const double qj = load_prob(q, q_dtype, qrow + j);
-        bad |= bad_prob(qj);
-        r = fmax(0.0, pj - qj);
-      } else {
-        r = j == drafted ? 0.0 : pj;
+  }
+  if (!out.rejected && !dist_of(n, out.dist)) return;
+  out.n = n;
+  stop = out;
+  for (int64_t i = 0; i <= s.k; ++i) tokens[b * (s.k + 1) + i] = i < n ? d[i] : -1;  // token n: the draw
+  counts[b] = n;
+}
+
+// Unfiltered sampling: one warp per request merges the statistics of its rows, lane 0 decides.
+template <typename T>
+__global__ void stochastic_decide_kernel(const int64_t* draft, const T* logits, const int64_t* lens, const void* q,
+                                         DType q_dtype, const float* uniforms, double inv_t, ChainShape s,
+                                         ChainWorkspace ws, int64_t chunks, int64_t* tokens, int64_t* counts,
+                                         int* error) {
+  const int64_t b = warp_request();
+  if (b >= s.batch) return;
+  const int64_t base = b * (s.k + 1);
+  merge_request_rows(ws.parts + base * chunks, chunks, lens[b] + 1, ws.merged + base);
+  if (threadIdx.x % 32 != 0) return;
+  ws.stops[b].n = -1;
+  const auto dist_of = [&](int64_t n, RowDist& dist) {
+    const RowPart& p = ws.merged[base + n];
+    if ((p.flags & kPartBad) || !(p.max > -pos_inf())) {
+      fail(error, (p.flags & kPartBad) ? kBadLogit : kEmptyRow);
+      return false;
+    }
+    dist = RowDist{p.max, p.sum, -pos_inf()};
+    return true;
+  };
+  decide_chain(draft + b * s.k, logits + base * s.vocab, lens[b], q, q_dtype, uniforms + base, inv_t, s, b, dist_of,
+               ws.stops[b], tokens, counts, error);
+}
+
+// Top-k or top-p: each request's block finds its rows' cuts (row_dist, with the request's
+// scratch row as buffer) one row at a time, up to the first rejection.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) stochastic_decide_filtered_kernel(
+    const int64_t* draft, const T* logits, const int64_t* lens, const void* q, DType q_dtype, const float* uniforms,
+    Sampling sp, ChainShape s, ChainWorkspace ws, double* scratch, int64_t* tokens, int64_t* counts, int* error) {
+  __shared__ Shared sh;
+  __shared__ RowDist row_dists[kMaxDraftLen + 1];
+  __shared__ int ok;
+  const int64_t b = blockIdx.x, base = b * (s.k + 1), len = lens[b];
+  const T* rows = logits + base * s.vocab;
+  const double inv_t = 1.0 / sp.temperature;
+  if (threadIdx.x == 0) ws.stops[b].n = -1;
+  // Rows are found in order while the chain is accepted; thread 0 decides after each, then
+  // replays the decision with the rows found to write the stop row.
+  int64_t found = 0;
+  const auto dist_of = [&](int64_t n, RowDist& dist) {
+    dist = row_dists[n];
+    return n < found;
+  };
+  for (int64_t n = 0; n <= len; ++n) {
+    RowDist dist;
+    if (!row_dist(rows + n * s.vocab, s.vocab, sp, scratch + b * s.vocab, sh, error, dist)) return;
+    found = n + 1;
+    if (threadIdx.x == 0) {
+      row_dists[n] = dist;
+      ok = 1;
+      if (n < len) {
+        if (draft[b * s.k + n] < 0 || draft[b * s.k + n] >= s.vocab) {
+          fail(error, kBadId);
+          ok = -1;
+        } else {
+          ok = accept_draft(rows + n * s.vocab, draft[b * s.k + n], row_dists[n], inv_t, q, q_dtype,
+                            (b * s.k + n) * s.vocab, uniforms[base + n], error);
+        }
       }
-      w[j] = r;
-      local += r;
-    });
-    if (__syncthreads_or(bad)) return report(error, kBadDraftProb);
-    // Rounding left no residual mass: fall back to p.
-    if (!(block_sum(local, sh) > 0.0)) row_probs(row, vocab, dist, sp.temperature, w);
-    rejected = true;
-    break;
-  }
-  if (!rejected) {
-    const T* row = rows + n * vocab;
-    if (!chain_row_dist(row, row_parts ? row_parts + n * chunks : nullptr, chunks, vocab, sp, w, sh, error, dist)) {
-      return;
     }
-    row_probs(row, vocab, dist, sp.temperature, w);
+    __syncthreads();
+    const int verdict = ok;
+    __syncthreads();
+    if (verdict < 0) return;
+    if (verdict == 0 || n == len) break;
   }
-  const int64_t last = sample_buffer(w, vocab, static_cast<double>(u[s.k]), sh);
-  write_row(tokens + b * (s.k + 1), s.k + 1, n, last, [&](int64_t i) { return d[i]; });
-  if (threadIdx.x == 0) counts[b] = n;
+  if (threadIdx.x == 0) {
+    decide_chain(draft + b * s.k, rows, len, q, q_dtype, uniforms + base, inv_t, s, b, dist_of, ws.stops[b], tokens,
+                 counts, error);
+  }
+}
+
+// One block per (request, chunk) of the stop row: weights w (the residual max(0, p - q), p
+// without the draft token when q is one-hot, or p for the bonus row) into the request's
+// scratch row, and the chunk's sums of w and of p.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) stop_weights_kernel(const int64_t* draft, const T* logits, const void* q,
+                                                                DType q_dtype, double inv_t, ChainShape s,
+                                                                RowStatsShape st, ChainWorkspace ws, double* scratch,
+                                                                int* error) {
+  __shared__ Shared sh;
+  const int64_t b = blockIdx.x / st.chunks, c = blockIdx.x % st.chunks;
+  const Stop stop = ws.stops[b];
+  if (stop.n < 0) return;
+  const T* row = logits + (b * (s.k + 1) + stop.n) * s.vocab;
+  const int64_t begin = c * st.chunk_len, end = begin + st.chunk_len < s.vocab ? begin + st.chunk_len : s.vocab;
+  const int64_t qrow = (b * s.k + stop.n) * s.vocab, drafted = stop.rejected ? draft[b * s.k + stop.n] : -1;
+  const bool residual_q = stop.rejected && q != nullptr;
+  double* w = scratch + b * s.vocab;
+  double wsum = 0.0, psum = 0.0;
+  int bad = 0;
+  for_each_in(row, begin, end, [&](int64_t j, T raw) {
+    const double pj = value_prob(raw, stop.dist, inv_t);
+    double r = j == drafted ? 0.0 : pj;
+    if (residual_q) {
+      const double qj = load_prob(q, q_dtype, qrow + j);
+      bad |= bad_prob(qj);
+      r = fmax(0.0, pj - qj);
+    }
+    w[j] = r;
+    wsum += r;
+    psum += pj;
+  });
+  if (__syncthreads_or(bad)) return report(error, kBadDraftProb);
+  wsum = block_sum(wsum, sh);
+  psum = block_sum(psum, sh);
+  if (threadIdx.x == 0) ws.chunk_sums[b * st.chunks + c] = make_double2(wsum, psum);
+}
+
+// One block per request: the inverse-CDF draw of the last token from the stop row's weights,
+// the chunk found from the chunk sums, the index by a scan of that chunk.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) stop_draw_kernel(const T* logits, const float* uniforms, double inv_t,
+                                                             ChainShape s, RowStatsShape st, ChainWorkspace ws,
+                                                             double* scratch, int64_t* tokens) {
+  __shared__ Shared sh;
+  const int64_t b = blockIdx.x;
+  const Stop stop = ws.stops[b];
+  if (stop.n < 0) return;
+  const double2* sums = ws.chunk_sums + b * st.chunks;
+  double* w = scratch + b * s.vocab;
+  double total = 0.0;
+  for (int64_t c = 0; c < st.chunks; ++c) total += sums[c].x;
+  const bool use_p = !(total > 0.0);  // rounding left no residual mass: draw from p
+  if (use_p) {
+    row_probs(logits + (b * (s.k + 1) + stop.n) * s.vocab, s.vocab, stop.dist, inv_t, w);
+    total = 0.0;
+    for (int64_t c = 0; c < st.chunks; ++c) total += sums[c].y;
+  }
+  const double target = static_cast<double>(uniforms[b * (s.k + 1) + s.k]) * total;
+  double running = 0.0;
+  int64_t c = 0;
+  for (; c < st.chunks; ++c) {
+    const double mass = use_p ? sums[c].y : sums[c].x;
+    if (running + mass > target) break;
+    running += mass;
+  }
+  int64_t pick = -1;
+  if (c < st.chunks) {
+    const int64_t begin = c * st.chunk_len, end = begin + st.chunk_len < s.vocab ? begin + st.chunk_len : s.vocab;
+    pick = sample_range(w, begin, end, target, running, sh);
+    if (pick < 0 && end < s.vocab) pick = sample_range(w, end, s.vocab, target, running, sh);
+  }
+  if (threadIdx.x == 0) tokens[b * (s.k + 1) + stop.n] = pick >= 0 ? pick : last_drawable(w, s.vocab);
+}
+
+unsigned warp_blocks(int64_t batch) {
+  return static_cast<unsigned>((batch + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
 }  // namespace
@@ -132,10 +255,11 @@ void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_
                          ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
                          int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  launch_row_stats(logits, logits_dtype, lens, stats, 1.0, false, workspace, stream);
-  constexpr int kPerBlock = 128;
-  greedy_chain_kernel<<<static_cast<unsigned>((shape.batch + kPerBlock - 1) / kPerBlock), kPerBlock, 0, stream>>>(
-      draft, static_cast<const RowPart*>(workspace), lens, shape, stats.chunks, tokens, counts, error);
+  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  launch_row_stats(logits, logits_dtype, lens, stats, 1.0, kWantArgmax, ws.parts, stream);
+  greedy_chain_kernel<<<warp_blocks(shape.batch), 32 * kWarpsPerBlock, 0, stream>>>(draft, lens, shape, ws,
+                                                                                    stats.chunks, tokens, counts,
+                                                                                    error);
 }
 
 void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
@@ -143,14 +267,24 @@ void launch_stochastic_chain(const int64_t* draft, const void* logits, DType log
                              ChainShape shape, double* scratch, const RowStatsShape& stats, void* workspace,
                              int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
+  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  const double inv_t = 1.0 / sampling.temperature;
   const bool filtered = sampling.top_k > 0 || sampling.top_p < 1.0;
-  if (!filtered) launch_row_stats(logits, logits_dtype, lens, stats, sampling.temperature, true, workspace, stream);
-  const RowPart* parts = filtered ? nullptr : static_cast<const RowPart*>(workspace);
+  if (!filtered) launch_row_stats(logits, logits_dtype, lens, stats, inv_t, kWantSoftmax, ws.parts, stream);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
-    stochastic_chain_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(
-        draft, static_cast<const T*>(logits), lens, draft_probs, probs_dtype, uniforms, sampling, shape, parts,
-        stats.chunks, scratch, tokens, counts, error);
+    const auto* x = static_cast<const T*>(logits);
+    if (filtered) {
+      stochastic_decide_filtered_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(
+          draft, x, lens, draft_probs, probs_dtype, uniforms, sampling, shape, ws, scratch, tokens, counts, error);
+    } else {
+      stochastic_decide_kernel<T><<<warp_blocks(shape.batch), 32 * kWarpsPerBlock, 0, stream>>>(
+          draft, x, lens, draft_probs, probs_dtype, uniforms, inv_t, shape, ws, stats.chunks, tokens, counts, error);
+    }
+    stop_weights_kernel<T><<<static_cast<unsigned>(shape.batch * stats.chunks), kThreads, 0, stream>>>(
+        draft, x, draft_probs, probs_dtype, inv_t, shape, stats, ws, scratch, error);
+    stop_draw_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(x, uniforms, inv_t, shape, stats,
+                                                                                     ws, scratch, tokens);
   });
 }
 

@@ -30,17 +30,19 @@ struct RowStatsShape {
   int64_t rows, rows_per_request, vocab, chunks, chunk_len;
 };
 
-// The split for this device (enough blocks for every SM) and its workspace in bytes.
+// The split for this device (several waves of blocks over its SMs).
 RowStatsShape row_stats_shape(int64_t requests, int64_t rows_per_request, int64_t vocab);
-int64_t row_stats_bytes(const RowStatsShape& shape);
+// Bytes of a chain op's workspace for that split and `batch` requests (cuda_row_stats.h).
+int64_t chain_workspace_bytes(const RowStatsShape& shape, int64_t batch);
 
 // Writes one RowPart per (row, chunk) into `parts`; rows past lens[request] are skipped
-// (lens may be null). Without `softmax` only the argmax and NaN flag are computed.
+// (lens may be null). `wants`: the kWant* bits (cuda_row_stats.h) of what to compute;
+// x = logit * inv_t with inv_t = 1 / temperature.
 void launch_row_stats(const void* logits, DType logits_dtype, const int64_t* lens, const RowStatsShape& shape,
-                      double temperature, bool softmax, void* parts, cudaStream_t stream);
+                      double inv_t, int wants, void* parts, cudaStream_t stream);
 
 // `stats`: row_stats_shape(batch, k + 1, vocab), computed once by the caller, which sizes
-// `workspace` with row_stats_bytes(stats); here and below.
+// `workspace` with chain_workspace_bytes(stats, batch); here and below.
 void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                          ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
                          int64_t* counts, int* error, cudaStream_t stream);
@@ -48,8 +50,8 @@ void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_
 void launch_greedy_chain_ids(const int64_t* draft, const int64_t* target_ids, const int64_t* lens, ChainShape shape,
                              int64_t* tokens, int64_t* counts, cudaStream_t stream);
 
-// scratch: batch * vocab doubles. The workspace is unused (may be null) under top-k or top-p,
-// whose cuts each request's block finds itself.
+// scratch: batch * vocab doubles (the stop rows' weights). Under top-k or top-p each
+// request's block finds its rows' cuts itself; the statistics part of the workspace is unused.
 void launch_stochastic_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                              const void* draft_probs, DType probs_dtype, const float* uniforms, Sampling sampling,
                              ChainShape shape, double* scratch, const RowStatsShape& stats, void* workspace,

@@ -161,14 +161,16 @@ __device__ uint64_t bisect_keys(uint64_t lo, uint64_t hi, double goal, G g) {
 // Target distribution of one row; top-k and top-p cuts follow the reference
 // (thresholds on the logit) via exact bisection. `buf` (vocab doubles) is used
 // for top-p. Returns false (after reporting) on NaN/+inf or all -inf rows.
+// x = logit * (1 / temperature) here and in every CUDA op: one multiply, not a float64
+// division, per logit; the order of the x (the top-k set) is the reference's.
 template <typename T>
 __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double* buf, Shared& sh, int* error,
                          RowDist& d) {
-  const double temp = sp.temperature;
+  const double inv_t = 1.0 / sp.temperature;
   double m = -pos_inf();
   int bad = 0;
   for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-    const double x = to_double(row[j]) / temp;
+    const double x = to_double(row[j]) * inv_t;
     bad |= !(x < pos_inf());
     m = fmax(m, x);
   }
@@ -183,7 +185,7 @@ __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double
   if (sp.top_k > 0 && sp.top_k < vocab) {
     const uint64_t k = bisect_keys(lo, hi, static_cast<double>(sp.top_k), [&](uint64_t key) {
       double count = 0.0;
-      for (int64_t j = threadIdx.x; j < vocab; j += kThreads) count += order_key(to_double(row[j]) / temp) >= key;
+      for (int64_t j = threadIdx.x; j < vocab; j += kThreads) count += order_key(to_double(row[j]) * inv_t) >= key;
       return block_sum(count, sh);
     });
     cut = key_value(k);
@@ -191,7 +193,7 @@ __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double
   if (sp.top_p < 1.0) {
     double local = 0.0;
     for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-      const double x = to_double(row[j]) / temp;
+      const double x = to_double(row[j]) * inv_t;
       buf[j] = x >= cut ? exp(x - m) : 0.0;
       local += buf[j];
     }
@@ -199,7 +201,7 @@ __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double
     const uint64_t p = bisect_keys(lo, hi, sp.top_p, [&](uint64_t key) {
       double mass = 0.0;
       for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-        mass += order_key(to_double(row[j]) / temp) >= key ? buf[j] : 0.0;
+        mass += order_key(to_double(row[j]) * inv_t) >= key ? buf[j] : 0.0;
       }
       return block_sum(mass, sh) / kept;
     });
@@ -207,28 +209,28 @@ __device__ bool row_dist(const T* row, int64_t vocab, const Sampling& sp, double
   }
   double sum = 0.0;
   for (int64_t j = threadIdx.x; j < vocab; j += kThreads) {
-    const double x = to_double(row[j]) / temp;
+    const double x = to_double(row[j]) * inv_t;
     sum += x >= cut ? exp(x - m) : 0.0;
   }
   d = RowDist{m, block_sum(sum, sh), cut};
   return true;
 }
 
-// p of one logit already read.
+// p of one logit already read; inv_t = 1 / temperature.
 template <typename T>
-__device__ __forceinline__ double value_prob(T logit, const RowDist& d, double temperature) {
-  const double x = to_double(logit) / temperature;
+__device__ __forceinline__ double value_prob(T logit, const RowDist& d, double inv_t) {
+  const double x = to_double(logit) * inv_t;
   return x >= d.cut ? exp(x - d.max) / d.sum : 0.0;
 }
 
 template <typename T>
-__device__ __forceinline__ double row_prob(const T* row, int64_t j, const RowDist& d, double temperature) {
-  return value_prob(row[j], d, temperature);
+__device__ __forceinline__ double row_prob(const T* row, int64_t j, const RowDist& d, double inv_t) {
+  return value_prob(row[j], d, inv_t);
 }
 
 template <typename T>
-__device__ void row_probs(const T* row, int64_t vocab, const RowDist& d, double temperature, double* out) {
-  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) out[j] = row_prob(row, j, d, temperature);
+__device__ void row_probs(const T* row, int64_t vocab, const RowDist& d, double inv_t, double* out) {
+  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) out[j] = row_prob(row, j, d, inv_t);
   __syncthreads();
 }
 
@@ -250,37 +252,56 @@ __device__ inline int64_t warp_find(const double* w, int64_t begin, int64_t end,
   return -1;
 }
 
-// Inverse-CDF draw from weights w: the first index whose running sum exceeds u * total.
-// Each thread sums one contiguous chunk; warp 0 finds the chunk, then the index in it.
-__device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
-  const int64_t chunk = (vocab + kThreads - 1) / kThreads;
-  const int64_t begin = threadIdx.x * chunk, end = begin + chunk < vocab ? begin + chunk : vocab;
+// The first index j of w[begin, end) at which `running` plus w[begin..j] exceeds `target`,
+// or -1 with `running` advanced by the range's sum. Each thread sums one contiguous piece;
+// warp 0 finds the piece, then the index in it.
+__device__ inline int64_t sample_range(const double* w, int64_t begin, int64_t end, double target, double& running,
+                                       Shared& sh) {
+  const int64_t piece = (end - begin + kThreads - 1) / kThreads;
+  const int64_t lo = begin + threadIdx.x * piece, hi = lo + piece < end ? lo + piece : end;
   double s = 0.0;
-  for (int64_t j = begin; j < end; ++j) s += w[j];
+  for (int64_t j = lo; j < hi; ++j) s += w[j];
   sh.chunk[threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.x < 32) {
-    double total = 0.0;
-    for (int c = threadIdx.x; c < kThreads; c += 32) total += sh.chunk[c];
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
-    const double target = u * total;
-    double running = 0.0;
+    double run = running;
     int64_t pick = -1;
-    const int64_t c = warp_find(sh.chunk, 0, kThreads, target, running);
+    const int64_t c = warp_find(sh.chunk, 0, kThreads, target, run);
     if (c >= 0) {
-      // From the mass ahead of chunk c; rounding may carry the search into later chunks.
-      double before = 0.0;
-      warp_find(sh.chunk, 0, c, pos_inf(), before);
-      pick = warp_find(w, c * chunk, vocab, target, before);
+      // From the mass ahead of piece c; rounding may carry the search into later pieces.
+      run = running;
+      warp_find(sh.chunk, 0, c, pos_inf(), run);
+      pick = warp_find(w, begin + c * piece, end, target, run);
     }
     if (threadIdx.x == 0) {
-      // Rounding put the target past the last partial sum: take the last drawable index.
-      for (int64_t j = vocab - 1; pick < 0 && j > 0; --j) {
-        if (w[j] > 0.0) pick = j;
-      }
-      sh.bcast_idx = pick < 0 ? 0 : pick;
+      sh.bcast_idx = pick;
+      sh.bcast = run;
     }
   }
+  __syncthreads();
+  const int64_t r = sh.bcast_idx;
+  running = sh.bcast;
+  __syncthreads();
+  return r;
+}
+
+// Rounding put a draw's target past the last running sum: the last index with weight (0 if none).
+__device__ inline int64_t last_drawable(const double* w, int64_t vocab) {
+  for (int64_t j = vocab - 1; j > 0; --j) {
+    if (w[j] > 0.0) return j;
+  }
+  return 0;
+}
+
+// Inverse-CDF draw from weights w: the first index whose running sum exceeds u * total.
+__device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
+  double local = 0.0;
+  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) local += w[j];
+  const double target = u * block_sum(local, sh);
+  double running = 0.0;
+  const int64_t pick = sample_range(w, 0, vocab, target, running, sh);
+  if (pick >= 0) return pick;
+  if (threadIdx.x == 0) sh.bcast_idx = last_drawable(w, vocab);
   __syncthreads();
   const int64_t r = sh.bcast_idx;
   __syncthreads();

@@ -14,6 +14,12 @@ namespace cuda {
 constexpr int kPartNaN = 1;
 constexpr int kPartBad = 2;
 
+// What the statistics pass computes (RowStatsMode, cuda_kernels.h, as bits): the argmax, the
+// softmax's max and normaliser, the entropy sum. Each op asks only for what it reads.
+constexpr int kWantArgmax = 1;
+constexpr int kWantSoftmax = 2;
+constexpr int kWantEntropy = 4;
+
 // What was read of one chunk of a row, with x = logit / temperature in float64:
 // max x, sum exp(x - max), sum exp(x - max) (x - max) (for the entropy), and the
 // largest raw logit with its first index (torch.argmax).
@@ -49,6 +55,45 @@ __device__ inline RowPart combine_parts(const RowPart* parts, int64_t chunks) {
   RowPart r = empty_part();
   for (int64_t c = 0; c < chunks; ++c) merge_parts(r, parts[c]);
   return r;
+}
+
+// The lanes of one warp merge the chunks of a request's rows [0, rows) into merged[0, rows),
+// a row per lane, so a decision (lane 0) does not merge row after row on its own.
+__device__ inline void merge_request_rows(const RowPart* parts, int64_t chunks, int64_t rows, RowPart* merged) {
+  for (int64_t r = threadIdx.x % 32; r < rows; r += 32) merged[r] = combine_parts(parts + r * chunks, chunks);
+  __syncwarp();
+}
+
+// Where a chain op's stop row is: the first rejected position, or the bonus row after
+// `n` accepted tokens; `n` < 0 after an error. The target distribution of that row rides along.
+struct Stop {
+  RowDist dist;
+  int64_t n;
+  int rejected;
+};
+
+// A chain op's workspace (one byte buffer): per (row, chunk) statistics, per-row merges, per
+// request stop rows, and per (request, chunk) weight sums {w, p} of the stop rows.
+struct ChainWorkspace {
+  RowPart* parts;
+  RowPart* merged;
+  Stop* stops;
+  double2* chunk_sums;
+};
+
+__host__ __device__ inline int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+__host__ inline ChainWorkspace carve_workspace(void* base, const RowStatsShape& s, int64_t batch) {
+  char* p = static_cast<char*>(base);
+  ChainWorkspace w;
+  w.parts = reinterpret_cast<RowPart*>(p);
+  p += align16(s.rows * s.chunks * static_cast<int64_t>(sizeof(RowPart)));
+  w.merged = reinterpret_cast<RowPart*>(p);
+  p += align16(s.rows * static_cast<int64_t>(sizeof(RowPart)));
+  w.stops = reinterpret_cast<Stop*>(p);
+  p += align16(batch * static_cast<int64_t>(sizeof(Stop)));
+  w.chunk_sums = reinterpret_cast<double2*>(p);
+  return w;
 }
 
 // Calls f(j, value) for j in [begin, end) of `row`, thread-strided: 16-byte loads of the

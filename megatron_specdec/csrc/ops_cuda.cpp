@@ -55,7 +55,8 @@ struct ChainWorkspace {
 
 ChainWorkspace chain_workspace(const Tensor& draft_ids, int64_t vocab) {
   const auto stats = cuda::row_stats_shape(draft_ids.size(0), draft_ids.size(1) + 1, vocab);
-  return {stats, at::empty({cuda::row_stats_bytes(stats)}, draft_ids.options().dtype(at::kByte))};
+  return {stats,
+          at::empty({cuda::chain_workspace_bytes(stats, draft_ids.size(0))}, draft_ids.options().dtype(at::kByte))};
 }
 
 std::tuple<Tensor, Tensor> chain_outputs(const Tensor& draft_ids) {

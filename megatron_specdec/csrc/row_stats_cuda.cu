@@ -1,6 +1,8 @@
 // The parallel pass of the CUDA chain ops: one block per (row, chunk) of the target logits
-// reads its chunk once and writes a RowPart (cuda_row_stats.h). Enough chunks per row are
-// launched to give every SM several blocks, so one request's rows are read by many SMs.
+// reads its chunk once and writes a RowPart (cuda_row_stats.h). Rows are split into enough
+// chunks for several waves of blocks, so no partial last wave holds the pass up.
+#include <type_traits>
+
 #include "cuda_kernels.h"
 #include "cuda_row_stats.h"
 
@@ -8,8 +10,10 @@ namespace specdec {
 namespace cuda {
 namespace {
 
-// Smallest chunk: 16 loads of 16 bytes per thread of a float32 row keep the loads in flight.
-constexpr int64_t kMinChunk = 16 * 4 * kThreads;
+// Smallest chunk: 32 logits a thread, so each block's reduction is paid over enough loads.
+constexpr int64_t kMinChunk = 32 * kThreads;
+// Blocks the split aims for, per SM: about eight waves at four resident blocks an SM.
+constexpr int64_t kBlocksPerSm = 32;
 
 __device__ __forceinline__ RowPart shfl_part(const RowPart& p, int lane_mask) {
   RowPart o;
@@ -22,43 +26,60 @@ __device__ __forceinline__ RowPart shfl_part(const RowPart& p, int lane_mask) {
   return o;
 }
 
-template <typename T, bool kSoftmax>
+// Logits are compared (NaN, argmax) in their own precision: float for the 16/32-bit types.
+template <typename T>
+using Compare = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+__device__ __forceinline__ Compare<T> to_compare(T v) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return static_cast<float>(to_double(v));
+  }
+}
+
+template <typename T, int kWants>
 __global__ void __launch_bounds__(kThreads) row_stats_kernel(const T* logits, const int64_t* lens, RowStatsShape s,
-                                                             double temperature, RowPart* parts) {
+                                                             double inv_t, RowPart* parts) {
+  using C = Compare<T>;
+  constexpr bool kArgmax = kWants & kWantArgmax, kSoftmax = kWants & kWantSoftmax;
+  constexpr bool kEntropy = kWants & kWantEntropy;
   __shared__ RowPart warp_parts[kWarps];
   const int64_t r = blockIdx.x / s.chunks, c = blockIdx.x % s.chunks;
   if (lens != nullptr && r % s.rows_per_request > lens[r / s.rows_per_request]) return;  // never read
   const int64_t begin = c * s.chunk_len, end = begin + s.chunk_len < s.vocab ? begin + s.chunk_len : s.vocab;
   RowPart p = empty_part();
+  C best = 0;
   for_each_in(logits + r * s.vocab, begin, end, [&](int64_t j, T raw) {
-    const double v = to_double(raw);
+    const C v = to_compare(raw);
     if (v != v) {
       p.flags |= kPartNaN | kPartBad;
       return;
     }
-    if (p.best_idx < 0 || v > p.best) {  // indices arrive in increasing order: the first maximum stays
-      p.best = v;
+    if (kArgmax && (p.best_idx < 0 || v > best)) {  // indices arrive in increasing order: the first maximum stays
+      best = v;
       p.best_idx = j;
     }
     if (!kSoftmax) return;
-    const double x = v / temperature;
+    const double x = static_cast<double>(v) * inv_t;
     if (!(x < pos_inf())) p.flags |= kPartBad;
     if (x > p.max) {
       if (p.max > -pos_inf()) {
         const double scale = exp(p.max - x);
-        p.xsum = scale * (p.xsum + (p.max - x) * p.sum);
+        if (kEntropy) p.xsum = scale * (p.xsum + (p.max - x) * p.sum);
         p.sum = scale * p.sum + 1.0;
       } else {
         p.sum = 1.0;
-        p.xsum = 0.0;
       }
       p.max = x;
     } else if (x > -pos_inf()) {
       const double d = x - p.max, e = exp(d);
       p.sum += e;
-      p.xsum += e > 0.0 ? e * d : 0.0;
+      if (kEntropy) p.xsum += e > 0.0 ? e * d : 0.0;
     }
   });
+  if (p.best_idx >= 0) p.best = static_cast<double>(best);
   for (int o = 16; o > 0; o >>= 1) {
     const RowPart other = shfl_part(p, o);
     // Both lanes of a pair merge (lower lane, upper lane), so they agree bit for bit.
@@ -92,31 +113,39 @@ int sm_count() {
 
 RowStatsShape row_stats_shape(int64_t requests, int64_t rows_per_request, int64_t vocab) {
   const int64_t rows = requests * rows_per_request;
-  const int64_t want = rows > 0 ? (4 * sm_count() + rows - 1) / rows : 1;
-  const int64_t most = vocab / kMinChunk > 1 ? vocab / kMinChunk : 1;
+  const int64_t want = rows > 0 ? (kBlocksPerSm * sm_count() + rows - 1) / rows : 1;
+  const int64_t most = (vocab + kMinChunk - 1) / kMinChunk;
   const int64_t chunks = want < 1 ? 1 : (want > most ? most : want);
   constexpr int64_t kAlign = 8;  // elements: chunk starts stay 16-byte aligned for 2-byte logits
-  const int64_t len = ((vocab + chunks - 1) / chunks + kAlign - 1) / kAlign * kAlign;
-  return RowStatsShape{rows, rows_per_request, vocab, (vocab + len - 1) / (len > 0 ? len : 1), len};
+  const int64_t len = ((vocab + chunks - 1) / (chunks > 0 ? chunks : 1) + kAlign - 1) / kAlign * kAlign;
+  return RowStatsShape{rows, rows_per_request, vocab, len > 0 ? (vocab + len - 1) / len : 1, len > 0 ? len : 1};
 }
 
-int64_t row_stats_bytes(const RowStatsShape& shape) {
-  return shape.rows * shape.chunks * static_cast<int64_t>(sizeof(RowPart));
+int64_t chain_workspace_bytes(const RowStatsShape& shape, int64_t batch) {
+  return align16(shape.rows * shape.chunks * static_cast<int64_t>(sizeof(RowPart))) +
+         align16(shape.rows * static_cast<int64_t>(sizeof(RowPart))) +
+         align16(batch * static_cast<int64_t>(sizeof(Stop))) +
+         batch * shape.chunks * static_cast<int64_t>(sizeof(double2));
 }
 
 void launch_row_stats(const void* logits, DType logits_dtype, const int64_t* lens, const RowStatsShape& shape,
-                      double temperature, bool softmax, void* parts, cudaStream_t stream) {
+                      double inv_t, int wants, void* parts, cudaStream_t stream) {
   if (shape.rows == 0 || shape.vocab == 0) return;
   const unsigned blocks = static_cast<unsigned>(shape.rows * shape.chunks);
   auto* out = static_cast<RowPart*>(parts);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (softmax) {
-      row_stats_kernel<T, true><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(logits), lens, shape,
-                                                                  temperature, out);
-    } else {
-      row_stats_kernel<T, false><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(logits), lens, shape,
-                                                                   temperature, out);
+    const auto* x = static_cast<const T*>(logits);
+    switch (wants) {
+      case kWantArgmax:
+        row_stats_kernel<T, kWantArgmax><<<blocks, kThreads, 0, stream>>>(x, lens, shape, inv_t, out);
+        break;
+      case kWantSoftmax:
+        row_stats_kernel<T, kWantSoftmax><<<blocks, kThreads, 0, stream>>>(x, lens, shape, inv_t, out);
+        break;
+      default:
+        row_stats_kernel<T, kWantArgmax | kWantSoftmax | kWantEntropy>
+            <<<blocks, kThreads, 0, stream>>>(x, lens, shape, inv_t, out);
     }
   });
 }

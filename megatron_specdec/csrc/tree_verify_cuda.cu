@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
   const float* u = uniforms + b * (n + 1);
   const T* rows = logits + b * (n + 1) * vocab;
   double* w = scratch + b * vocab;
+  const double inv_t = 1.0 / sp.temperature;
   if (!build_children(tok, parents + b * n, num_nodes[b], vocab, first, next, error)) return;
   int64_t depth = 0, n_excluded = 0;
   const T* row = rows;
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
     const int64_t qrow = (b * n + c) * vocab;
     const double qt = q ? load_prob(q, q_dtype, qrow + t) : 1.0;
     if (bad_prob(qt)) return report(error, kBadDraftProb);
-    double rt = dense ? w[t] : row_prob(row, t, dist, sp.temperature);
+    double rt = dense ? w[t] : row_prob(row, t, dist, inv_t);
     for (int64_t e = 0; e < n_excluded; ++e) rt = excluded[e] == t ? 0.0 : rt;
     if (static_cast<double>(u[c]) * qt * total < rt) {
       if (depth >= s.max_depth) return report(error, kBadId);
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
     }
     if (q) {
       __syncthreads();
-      if (!dense) row_probs(row, vocab, dist, sp.temperature, w);
+      if (!dense) row_probs(row, vocab, dist, inv_t, w);
       dense = true;
       double local = 0.0;
       int bad = 0;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
   }
   if (!dense) {
     __syncthreads();
-    row_probs(row, vocab, dist, sp.temperature, w);
+    row_probs(row, vocab, dist, inv_t, w);
     if (threadIdx.x == 0) {
       for (int64_t e = 0; e < n_excluded; ++e) w[excluded[e]] = 0.0;
     }

@@ -1,6 +1,6 @@
 // CUDA kernel of Medusa typical acceptance (see typical_verify.cpp): the parallel pass
-// (row_stats_cuda.cu) gives each row's max, normaliser, entropy sum and argmax; one
-// thread per request then walks its chain reading one logit per row.
+// (row_stats_cuda.cu) gives each row's max, normaliser, entropy sum and argmax; one warp per
+// request merges its rows' chunks, then lane 0 walks the chain reading one logit per row.
 #include <cmath>
 
 #include "cuda_kernels.h"
@@ -10,16 +10,19 @@ namespace specdec {
 namespace cuda {
 namespace {
 
+constexpr int kWarpsPerBlock = 4;
+
 template <typename T>
-__global__ void typical_kernel(const int64_t* draft, const T* logits, const RowPart* parts, int64_t chunks,
-                               const int64_t* lens, double temperature, double eps, double alpha, ChainShape s,
-                               int64_t* tokens, int64_t* counts, int* error) {
-  const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+__global__ void typical_kernel(const int64_t* draft, const T* logits, const int64_t* lens, double inv_t, double eps,
+                               double alpha, ChainShape s, ChainWorkspace ws, int64_t chunks, int64_t* tokens,
+                               int64_t* counts, int* error) {
+  const int64_t b = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   if (b >= s.batch) return;
-  const int64_t vocab = s.vocab;
+  const int64_t vocab = s.vocab, base = b * (s.k + 1);
+  merge_request_rows(ws.parts + base * chunks, chunks, lens[b] + 1, ws.merged + base);
+  if (threadIdx.x % 32 != 0) return;
   const int64_t* d = draft + b * s.k;
-  const T* rows = logits + b * (s.k + 1) * vocab;
-  const RowPart* row_parts = parts + b * (s.k + 1) * chunks;
+  const T* rows = logits + base * vocab;
   int64_t n = 0;
   for (; n < lens[b]; ++n) {
     // p(d) > min(eps, alpha * exp(-H)), H = log Z - sum e (x - max) / Z.
@@ -27,21 +30,21 @@ __global__ void typical_kernel(const int64_t* draft, const T* logits, const RowP
       atomicCAS(error, 0, kBadId);
       return;
     }
-    const RowPart row = combine_parts(row_parts + n * chunks, chunks);
+    const RowPart& row = ws.merged[base + n];
     if ((row.flags & kPartBad) || !(row.max > -pos_inf())) {
       atomicCAS(error, 0, (row.flags & kPartBad) ? kBadLogit : kEmptyRow);
       return;
     }
     const double entropy = log(row.sum) - row.xsum / row.sum;
-    const double p = exp(to_double(rows[n * vocab + d[n]]) / temperature - row.max) / row.sum;
+    const double p = value_prob(rows[n * vocab + d[n]], RowDist{row.max, row.sum, -pos_inf()}, inv_t);
     if (!(p > fmin(eps, alpha * exp(-entropy)))) break;
   }
-  const RowPart last = combine_parts(row_parts + n * chunks, chunks);
+  const RowPart& last = ws.merged[base + n];
   if (last.flags & kPartNaN) {
     atomicCAS(error, 0, kBadLogit);
     return;
   }
-  for (int64_t i = 0; i <= s.k; ++i) tokens[b * (s.k + 1) + i] = i < n ? d[i] : (i == n ? last.best_idx : -1);
+  for (int64_t i = 0; i <= s.k; ++i) tokens[base + i] = i < n ? d[i] : (i == n ? last.best_idx : -1);
   counts[b] = n;
 }
 
@@ -51,14 +54,16 @@ void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype
                     double temperature, double eps, double alpha, ChainShape shape, const RowStatsShape& stats,
                     void* workspace, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  launch_row_stats(logits, logits_dtype, lens, stats, temperature, true, workspace, stream);
-  constexpr int kPerBlock = 128;
-  const unsigned blocks = static_cast<unsigned>((shape.batch + kPerBlock - 1) / kPerBlock);
+  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  const double inv_t = 1.0 / temperature;
+  launch_row_stats(logits, logits_dtype, lens, stats, inv_t, kWantArgmax | kWantSoftmax | kWantEntropy, ws.parts,
+                   stream);
+  const unsigned blocks = static_cast<unsigned>((shape.batch + kWarpsPerBlock - 1) / kWarpsPerBlock);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
-    typical_kernel<T><<<blocks, kPerBlock, 0, stream>>>(draft, static_cast<const T*>(logits),
-                                                        static_cast<const RowPart*>(workspace), stats.chunks, lens,
-                                                        temperature, eps, alpha, shape, tokens, counts, error);
+    typical_kernel<T><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(draft, static_cast<const T*>(logits), lens, inv_t,
+                                                                 eps, alpha, shape, ws, stats.chunks, tokens, counts,
+                                                                 error);
   });
 }
 
