@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) stop_draw_kernel(const T* logits, co
     pick = sample_range(w, begin, end, target, running, sh);
     if (pick < 0 && end < s.vocab) pick = sample_range(w, end, s.vocab, target, running, sh);
   }
-  if (threadIdx.x == 0) tokens[b * (s.k + 1) + stop.n] = pick >= 0 ? pick : last_drawable(w, s.vocab);
+  if (pick < 0) pick = sample_buffer(w, s.vocab, 1.0, sh);  // rounding: u = 1 gives the last drawable index
+  if (threadIdx.x == 0) tokens[b * (s.k + 1) + stop.n] = pick;
 }
 
 unsigned warp_blocks(int64_t batch) {

@@ -252,11 +252,11 @@ __device__ inline int64_t warp_find(const double* w, int64_t begin, int64_t end,
   return -1;
 }
 
-// The first index j of w[begin, end) at which `running` plus w[begin..j] exceeds `target`,
-// or -1 with `running` advanced by the range's sum. Each thread sums one contiguous piece;
-// warp 0 finds the piece, then the index in it.
+// The first index j of w[begin, end) at which `running` plus w[begin..j] exceeds `target`
+// (u >= 0: u times the range's sum instead), or -1 with `running` advanced by the range's sum.
+// Each thread sums one contiguous piece; warp 0 finds the piece, then the index in it.
 __device__ inline int64_t sample_range(const double* w, int64_t begin, int64_t end, double target, double& running,
-                                       Shared& sh) {
+                                       Shared& sh, double u = -1.0) {
   const int64_t piece = (end - begin + kThreads - 1) / kThreads;
   const int64_t lo = begin + threadIdx.x * piece, hi = lo + piece < end ? lo + piece : end;
   double s = 0.0;
@@ -264,6 +264,12 @@ __device__ inline int64_t sample_range(const double* w, int64_t begin, int64_t e
   sh.chunk[threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.x < 32) {
+    if (u >= 0.0) {
+      double total = 0.0;
+      for (int c = threadIdx.x; c < kThreads; c += 32) total += sh.chunk[c];
+      for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
+      target = u * total;
+    }
     double run = running;
     int64_t pick = -1;
     const int64_t c = warp_find(sh.chunk, 0, kThreads, target, run);
@@ -274,6 +280,13 @@ __device__ inline int64_t sample_range(const double* w, int64_t begin, int64_t e
       pick = warp_find(w, begin + c * piece, end, target, run);
     }
     if (threadIdx.x == 0) {
+      // Rounding put the target past the last running sum of the whole row: the last drawable index.
+      if (pick < 0 && u >= 0.0) {
+        for (int64_t j = end - 1; pick < 0 && j > begin; --j) {
+          if (w[j] > 0.0) pick = j;
+        }
+        if (pick < 0) pick = begin;
+      }
       sh.bcast_idx = pick;
       sh.bcast = run;
     }
@@ -285,27 +298,10 @@ __device__ inline int64_t sample_range(const double* w, int64_t begin, int64_t e
   return r;
 }
 
-// Rounding put a draw's target past the last running sum: the last index with weight (0 if none).
-__device__ inline int64_t last_drawable(const double* w, int64_t vocab) {
-  for (int64_t j = vocab - 1; j > 0; --j) {
-    if (w[j] > 0.0) return j;
-  }
-  return 0;
-}
-
 // Inverse-CDF draw from weights w: the first index whose running sum exceeds u * total.
 __device__ inline int64_t sample_buffer(const double* w, int64_t vocab, double u, Shared& sh) {
-  double local = 0.0;
-  for (int64_t j = threadIdx.x; j < vocab; j += kThreads) local += w[j];
-  const double target = u * block_sum(local, sh);
   double running = 0.0;
-  const int64_t pick = sample_range(w, 0, vocab, target, running, sh);
-  if (pick >= 0) return pick;
-  if (threadIdx.x == 0) sh.bcast_idx = last_drawable(w, vocab);
-  __syncthreads();
-  const int64_t r = sh.bcast_idx;
-  __syncthreads();
-  return r;
+  return sample_range(w, 0, vocab, 0.0, running, sh, u);
 }
 
 // Writes one output row: ids[0:n] (ids[i] read through `id`), then `last`, then -1.
