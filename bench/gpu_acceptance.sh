@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks of the acceptance ops in one go, for a machine with an NVIDIA GPU, torch with
-# CUDA, nvcc, pytest, Nsight Compute and compute-sanitizer (~4 min on an H100):
+# CUDA, nvcc, pytest, Nsight Compute and compute-sanitizer (about 100 s on an H100):
 #   build, the CUDA tests, memcheck over them, bench/bench_acceptance.py --device cuda, and an
 #   ncu profile of the stochastic chain at B=64 K=8 vocab 128256.
 #     bash bench/gpu_acceptance.sh [OUT_DIR]     # default bench/results
