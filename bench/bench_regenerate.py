@@ -8,7 +8,12 @@ stop, finished rows leaving the batch); outputs are compared row by row with the
 dtype's. Table on stdout, JSON in bench/results/regenerate.json.
 
     python bench/bench_regenerate.py [--num-prompts 64] [--max-new-tokens 128]
-        [--batch-size 64] [--dtypes float32 bfloat16]
+        [--batch-size 64] [--dtypes float32 bfloat16] [--profile]
+
+On a GPU (it runs there when torch sees one): `--prompts data/smollm2_synth_steered9_prompts.jsonl.gz
+--num-prompts 4096 --batch-size 2048 --max-new-tokens 256`. `--profile` runs each dtype under
+torch.profiler and prints the ops that took the most time (device time on a GPU): where a
+regeneration step goes.
 """
 
 import argparse
@@ -26,20 +31,33 @@ PROMPTS = ROOT / "data" / "smollm2_synth_steered3_prompts.jsonl.gz"
 
 
 def answer(dtype, rows, args, out_path):
-    """(the regenerator's RegenStats, its answers) at `dtype`."""
+    """(the regenerator's RegenStats, its answers, the profile table or None) at `dtype`;
+    with --profile only the generation runs under torch.profiler, not the model's loading."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
     from megatron_specdec.data import regenerate
     from megatron_specdec.data.megatron_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
     backend = MegatronBackend("default", dtype=dtype)
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    prof = profile(activities=activities) if args.profile else contextlib.nullcontext()
     try:
-        stats = regenerate(rows, backend, backend.tokenizer, out_path, args.batch_size,
-                           args.max_new_tokens, progress=False)
+        with prof:
+            stats = regenerate(rows, backend, backend.tokenizer, out_path, args.batch_size,
+                               args.max_new_tokens, progress=False)
     finally:
         destroy()
     answers = [json.loads(line)["conversations"][-1]["content"]
                for line in out_path.read_text().splitlines()]
-    return stats, answers
+    table = None
+    if args.profile:
+        key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=25)
+    return stats, answers, table
 
 
 def main():
@@ -53,6 +71,7 @@ def main():
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"),
                    default=["float32", "bfloat16"])
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--profile", action="store_true", help="profile each dtype's run (slower)")
     args = p.parse_args()
 
     spec = json.dumps({"name": "bench", "file": args.prompts, "prompt": "prompt"})
@@ -61,7 +80,9 @@ def main():
     results, first = {}, None
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            stats, answers = answer(dtype, rows, args, Path(tmp) / f"{dtype}.jsonl")
+            stats, answers, table = answer(dtype, rows, args, Path(tmp) / f"{dtype}.jsonl")
+            if table:
+                print(table, flush=True)
             rate = stats.completion_tokens / stats.seconds
             first = first or answers
             results[dtype] = {"completion_tokens": stats.completion_tokens,
@@ -76,6 +97,8 @@ def main():
               "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
               "results": results,
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "profiled": args.profile,
               "torch": torch.__version__,
               "load_average_before_after": [load_before, os.getloadavg()]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
