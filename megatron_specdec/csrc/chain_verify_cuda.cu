@@ -31,7 +31,7 @@ __global__ void greedy_chain_ids_kernel(const int64_t* draft, const int64_t* tar
 }
 
 // One warp per request, after the argmax pass: accepts while the draft equals the argmax.
-__global__ void greedy_chain_kernel(const int64_t* draft, const int64_t* lens, ChainShape s, ChainWorkspace ws,
+__global__ void greedy_chain_kernel(const int64_t* draft, const int64_t* lens, ChainShape s, Workspace ws,
                                     int64_t chunks, int64_t* tokens, int64_t* counts, int* error) {
   const int64_t b = warp_request();
   if (b >= s.batch) return;
@@ -94,7 +94,7 @@ __device__ void decide_chain(const int64_t* d, const T* rows, int64_t len, const
 template <typename T>
 __global__ void stochastic_decide_kernel(const int64_t* draft, const T* logits, const int64_t* lens, const void* q,
                                          DType q_dtype, const float* uniforms, double inv_t, ChainShape s,
-                                         ChainWorkspace ws, int64_t chunks, int64_t* tokens, int64_t* counts,
+                                         Workspace ws, int64_t chunks, int64_t* tokens, int64_t* counts,
                                          int* error) {
   const int64_t b = warp_request();
   if (b >= s.batch) return;
@@ -120,7 +120,7 @@ __global__ void stochastic_decide_kernel(const int64_t* draft, const T* logits, 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stochastic_decide_filtered_kernel(
     const int64_t* draft, const T* logits, const int64_t* lens, const void* q, DType q_dtype, const float* uniforms,
-    Sampling sp, ChainShape s, ChainWorkspace ws, double* scratch, int64_t* tokens, int64_t* counts, int* error) {
+    Sampling sp, ChainShape s, Workspace ws, double* scratch, int64_t* tokens, int64_t* counts, int* error) {
   __shared__ Shared sh;
   __shared__ RowDist row_dists[kMaxDraftLen + 1];
   __shared__ int ok;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads) stochastic_decide_filtered_kernel(
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stop_weights_kernel(const int64_t* draft, const T* logits, const void* q,
                                                                 DType q_dtype, double inv_t, ChainShape s,
-                                                                RowStatsShape st, ChainWorkspace ws, double* scratch,
+                                                                RowStatsShape st, Workspace ws, double* scratch,
                                                                 int* error) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x / st.chunks, c = blockIdx.x % st.chunks;
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads) stop_weights_kernel(const int64_t* d
 // the chunk found from the chunk sums, the index by a scan of that chunk.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stop_draw_kernel(const T* logits, const float* uniforms, double inv_t,
-                                                             ChainShape s, RowStatsShape st, ChainWorkspace ws,
+                                                             ChainShape s, RowStatsShape st, Workspace ws,
                                                              double* scratch, int64_t* tokens) {
   __shared__ Shared sh;
   const int64_t b = blockIdx.x;
@@ -256,7 +256,7 @@ void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_
                          ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
                          int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  const Workspace ws = carve_workspace(workspace, stats, shape.batch);
   launch_row_stats(logits, logits_dtype, lens, stats, 1.0, kWantArgmax, ws.parts, stream);
   greedy_chain_kernel<<<warp_blocks(shape.batch), 32 * kWarpsPerBlock, 0, stream>>>(draft, lens, shape, ws,
                                                                                     stats.chunks, tokens, counts,
@@ -268,7 +268,7 @@ void launch_stochastic_chain(const int64_t* draft, const void* logits, DType log
                              ChainShape shape, double* scratch, const RowStatsShape& stats, void* workspace,
                              int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  const Workspace ws = carve_workspace(workspace, stats, shape.batch);
   const double inv_t = 1.0 / sampling.temperature;
   const bool filtered = sampling.top_k > 0 || sampling.top_p < 1.0;
   if (!filtered) launch_row_stats(logits, logits_dtype, lens, stats, inv_t, kWantSoftmax, ws.parts, stream);

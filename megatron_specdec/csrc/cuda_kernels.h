@@ -33,7 +33,7 @@ struct RowStatsShape {
 // The split for this device (several waves of blocks over its SMs).
 RowStatsShape row_stats_shape(int64_t requests, int64_t rows_per_request, int64_t vocab);
 // Bytes of a chain op's workspace for that split and `batch` requests (cuda_row_stats.h).
-int64_t chain_workspace_bytes(const RowStatsShape& shape, int64_t batch);
+int64_t workspace_bytes(const RowStatsShape& shape, int64_t batch);
 
 // Writes one RowPart per (row, chunk) into `parts`; rows past lens[request] are skipped
 // (lens may be null). `wants`: the kWant* bits (cuda_row_stats.h) of what to compute;
@@ -42,7 +42,7 @@ void launch_row_stats(const void* logits, DType logits_dtype, const int64_t* len
                       double inv_t, int wants, void* parts, cudaStream_t stream);
 
 // `stats`: row_stats_shape(batch, k + 1, vocab), computed once by the caller, which sizes
-// `workspace` with chain_workspace_bytes(stats, batch); here and below.
+// `workspace` with workspace_bytes(stats, batch); here and below.
 void launch_greedy_chain(const int64_t* draft, const void* logits, DType logits_dtype, const int64_t* lens,
                          ChainShape shape, const RowStatsShape& stats, void* workspace, int64_t* tokens,
                          int64_t* counts, int* error, cudaStream_t stream);
@@ -70,11 +70,14 @@ void launch_tree_greedy(const int64_t* ids, const int64_t* parents, const void* 
                         const int64_t* num_nodes, TreeShape shape, int64_t* tokens, int64_t* counts, int64_t* path,
                         int* error, cudaStream_t stream);
 
-// scratch: batch * vocab doubles.
+// scratch: batch * vocab doubles; `stats`: row_stats_shape(batch, nodes + 1, vocab) and its
+// workspace, as for the chain ops (the statistics pass gives every row's distribution unless
+// top-k or top-p is on).
 void launch_tree_stochastic(const int64_t* ids, const int64_t* parents, const void* logits, DType logits_dtype,
                             const int64_t* num_nodes, const void* draft_probs, DType probs_dtype,
                             const float* uniforms, Sampling sampling, TreeShape shape, double* scratch,
-                            int64_t* tokens, int64_t* counts, int64_t* path, int* error, cudaStream_t stream);
+                            const RowStatsShape& stats, void* workspace, int64_t* tokens, int64_t* counts,
+                            int64_t* path, int* error, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace specdec

@@ -74,7 +74,7 @@ struct Stop {
 
 // A chain op's workspace (one byte buffer): per (row, chunk) statistics, per-row merges, per
 // request stop rows, and per (request, chunk) weight sums {w, p} of the stop rows.
-struct ChainWorkspace {
+struct Workspace {
   RowPart* parts;
   RowPart* merged;
   Stop* stops;
@@ -83,9 +83,9 @@ struct ChainWorkspace {
 
 __host__ __device__ inline int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
-__host__ inline ChainWorkspace carve_workspace(void* base, const RowStatsShape& s, int64_t batch) {
+__host__ inline Workspace carve_workspace(void* base, const RowStatsShape& s, int64_t batch) {
   char* p = static_cast<char*>(base);
-  ChainWorkspace w;
+  Workspace w;
   w.parts = reinterpret_cast<RowPart*>(p);
   p += align16(s.rows * s.chunks * static_cast<int64_t>(sizeof(RowPart)));
   w.merged = reinterpret_cast<RowPart*>(p);

@@ -46,17 +46,17 @@ void raise_value_error(const char* op, const Tensor& flag) {
   TORCH_CHECK(code != kBadId, op, ": a token id or parent index is out of range");
 }
 
-// The row-statistics split of a chain op (cuda_kernels.h) and its workspace as a byte tensor:
-// one split per call, handed to the launcher that reads it.
-struct ChainWorkspace {
+// The row-statistics split of an op whose ids are [B, K] (a chain's drafts, a tree's nodes:
+// K + 1 logits rows a request) and its workspace as a byte tensor: one split per call, handed
+// to the launcher that reads it.
+struct StatsWorkspace {
   cuda::RowStatsShape stats;
   Tensor bytes;
 };
 
-ChainWorkspace chain_workspace(const Tensor& draft_ids, int64_t vocab) {
-  const auto stats = cuda::row_stats_shape(draft_ids.size(0), draft_ids.size(1) + 1, vocab);
-  return {stats,
-          at::empty({cuda::chain_workspace_bytes(stats, draft_ids.size(0))}, draft_ids.options().dtype(at::kByte))};
+StatsWorkspace stats_workspace(const Tensor& ids, int64_t vocab) {
+  const auto stats = cuda::row_stats_shape(ids.size(0), ids.size(1) + 1, vocab);
+  return {stats, at::empty({cuda::workspace_bytes(stats, ids.size(0))}, ids.options().dtype(at::kByte))};
 }
 
 std::tuple<Tensor, Tensor> chain_outputs(const Tensor& draft_ids) {
@@ -97,7 +97,7 @@ std::tuple<Tensor, Tensor> greedy_chain_verify_cuda(const Tensor& draft_ids, con
   const auto d = draft_ids.contiguous(), x = target_logits.contiguous(), l = draft_lens.contiguous();
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
-  const auto workspace = chain_workspace(d, vocab);
+  const auto workspace = stats_workspace(d, vocab);
   cuda::launch_greedy_chain(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(),
                             {d.size(0), d.size(1), vocab}, workspace.stats, workspace.bytes.data_ptr(),
                             tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), flag.data_ptr<int>(),
@@ -128,7 +128,7 @@ std::tuple<Tensor, Tensor> stochastic_chain_verify_cuda(const Tensor& draft_ids,
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
   auto scratch = at::empty({d.size(0), vocab}, x.options().dtype(at::kDouble));
-  const auto workspace = chain_workspace(d, vocab);
+  const auto workspace = stats_workspace(d, vocab);
   cuda::launch_stochastic_chain(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(),
                                 q.defined() ? q.data_ptr() : nullptr,
                                 q.defined() ? dtype_of(q) : cuda::DType::kFloat32, u.data_ptr<float>(),
@@ -155,7 +155,7 @@ std::tuple<Tensor, Tensor> typical_verify_cuda(const Tensor& draft_ids, const Te
   const auto d = draft_ids.contiguous(), x = target_logits.contiguous(), l = draft_lens.contiguous();
   auto [tokens, counts] = chain_outputs(d);
   auto flag = new_error_flag(d);
-  const auto workspace = chain_workspace(d, vocab);
+  const auto workspace = stats_workspace(d, vocab);
   cuda::launch_typical(d.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x), l.data_ptr<int64_t>(), temperature, eps,
                        alpha, {d.size(0), d.size(1), vocab}, workspace.stats, workspace.bytes.data_ptr(),
                        tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), flag.data_ptr<int>(),
@@ -214,12 +214,14 @@ TreeOutputs tree_verify_stochastic_cuda(const Tensor& tree_ids, const Tensor& pa
   auto [tokens, counts, path] = tree_outputs(t, max_depth);
   auto flag = new_error_flag(t);
   auto scratch = at::empty({t.size(0), vocab}, x.options().dtype(at::kDouble));
+  const auto workspace = stats_workspace(t, vocab);
   cuda::launch_tree_stochastic(t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), x.data_ptr(), dtype_of(x),
                                l.data_ptr<int64_t>(), q.defined() ? q.data_ptr() : nullptr,
                                q.defined() ? dtype_of(q) : cuda::DType::kFloat32, u.data_ptr<float>(),
                                {temperature, top_k, top_p}, {t.size(0), n, vocab, max_depth},
-                               scratch.data_ptr<double>(), tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                               path.data_ptr<int64_t>(), flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
+                               scratch.data_ptr<double>(), workspace.stats, workspace.bytes.data_ptr(),
+                               tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), path.data_ptr<int64_t>(),
+                               flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
   raise_value_error(op, flag);
   return {tokens, counts, path};
 }

@@ -121,7 +121,7 @@ RowStatsShape row_stats_shape(int64_t requests, int64_t rows_per_request, int64_
   return RowStatsShape{rows, rows_per_request, vocab, len > 0 ? (vocab + len - 1) / len : 1, len > 0 ? len : 1};
 }
 
-int64_t chain_workspace_bytes(const RowStatsShape& shape, int64_t batch) {
+int64_t workspace_bytes(const RowStatsShape& shape, int64_t batch) {
   return align16(shape.rows * shape.chunks * static_cast<int64_t>(sizeof(RowPart))) +
          align16(shape.rows * static_cast<int64_t>(sizeof(RowPart))) +
          align16(batch * static_cast<int64_t>(sizeof(Stop))) +

@@ -1,7 +1,9 @@
 // CUDA kernels of greedy and lossless stochastic tree verification: one block per
 // request walks the tree as tree_verify.cpp does; per-node state sits in shared memory.
+// Without top-k/top-p the stochastic walk takes each row's distribution from the parallel
+// statistics pass (row_stats_cuda.cu) instead of two passes of its own block.
 #include "cuda_kernels.h"
-#include "cuda_row.h"
+#include "cuda_row_stats.h"
 
 namespace specdec {
 namespace cuda {
@@ -82,13 +84,30 @@ __global__ void __launch_bounds__(kThreads) tree_greedy_kernel(const int64_t* id
   if (threadIdx.x == 0) counts[b] = d;
 }
 
+// The distribution of one row: from its merged statistics when there are some, else found
+// by this block (w as buffer). Reports and returns false on NaN/+inf or all -inf rows.
+template <typename T>
+__device__ bool tree_row_dist(const T* row, const RowPart* merged, int64_t vocab, const Sampling& sp, double* w,
+                              Shared& sh, int* error, RowDist& dist) {
+  if (merged == nullptr) return row_dist(row, vocab, sp, w, sh, error, dist);
+  const RowPart p = *merged;
+  if ((p.flags & kPartBad) || !(p.max > -pos_inf())) {
+    report(error, (p.flags & kPartBad) ? kBadLogit : kEmptyRow);
+    return false;
+  }
+  dist = RowDist{p.max, p.sum, -pos_inf()};
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t* ids, const int64_t* parents,
                                                                    const T* logits, const int64_t* num_nodes,
                                                                    const void* q, DType q_dtype,
                                                                    const float* uniforms, Sampling sp, TreeShape s,
-                                                                   double* scratch, int64_t* tokens,
-                                                                   int64_t* counts, int64_t* path, int* error) {
+                                                                   double* scratch, const RowPart* parts,
+                                                                   RowPart* merged_rows, int64_t chunks,
+                                                                   int64_t* tokens, int64_t* counts, int64_t* path,
+                                                                   int* error) {
   __shared__ Shared sh;
   __shared__ int first[kMaxTreeNodes + 1], next[kMaxTreeNodes];
   __shared__ int64_t nodes[kMaxTreeNodes], excluded[kMaxTreeNodes];
@@ -99,10 +118,18 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
   double* w = scratch + b * vocab;
   const double inv_t = 1.0 / sp.temperature;
   if (!build_children(tok, parents + b * n, num_nodes[b], vocab, first, next, error)) return;
+  // Rows 0 .. num_nodes[b] have statistics (the pass skips the rest); merged a row a thread.
+  RowPart* merged = parts ? merged_rows + b * (n + 1) : nullptr;
+  if (merged) {
+    for (int64_t r = threadIdx.x; r <= num_nodes[b]; r += kThreads) {
+      merged[r] = combine_parts(parts + (b * (n + 1) + r) * chunks, chunks);
+    }
+    __syncthreads();
+  }
   int64_t depth = 0, n_excluded = 0;
   const T* row = rows;
   RowDist dist;
-  if (!row_dist(row, vocab, sp, w, sh, error, dist)) return;
+  if (!tree_row_dist(row, merged, vocab, sp, w, sh, error, dist)) return;
   // Residual r: p (minus `excluded` when q is one-hot) until `dense`, then w[] with total `total`.
   bool dense = false;
   double total = 1.0;
@@ -119,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) tree_stochastic_kernel(const int64_t
       ++depth;
       row = rows + (c + 1) * vocab;
       __syncthreads();  // everyone has read w before row_dist may reuse it
-      if (!row_dist(row, vocab, sp, w, sh, error, dist)) return;
+      if (!tree_row_dist(row, merged ? merged + c + 1 : nullptr, vocab, sp, w, sh, error, dist)) return;
       dense = false;
       total = 1.0;
       n_excluded = 0;
@@ -183,13 +210,20 @@ void launch_tree_greedy(const int64_t* ids, const int64_t* parents, const void* 
 void launch_tree_stochastic(const int64_t* ids, const int64_t* parents, const void* logits, DType logits_dtype,
                             const int64_t* num_nodes, const void* draft_probs, DType probs_dtype,
                             const float* uniforms, Sampling sampling, TreeShape shape, double* scratch,
-                            int64_t* tokens, int64_t* counts, int64_t* path, int* error, cudaStream_t stream) {
+                            const RowStatsShape& stats, void* workspace, int64_t* tokens, int64_t* counts,
+                            int64_t* path, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
+  const Workspace ws = carve_workspace(workspace, stats, shape.batch);
+  const bool filtered = sampling.top_k > 0 || sampling.top_p < 1.0;
+  if (!filtered) {
+    launch_row_stats(logits, logits_dtype, num_nodes, stats, 1.0 / sampling.temperature, kWantSoftmax, ws.parts,
+                     stream);
+  }
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
     tree_stochastic_kernel<T><<<static_cast<unsigned>(shape.batch), kThreads, 0, stream>>>(
         ids, parents, static_cast<const T*>(logits), num_nodes, draft_probs, probs_dtype, uniforms, sampling, shape,
-        scratch, tokens, counts, path, error);
+        scratch, filtered ? nullptr : ws.parts, ws.merged, stats.chunks, tokens, counts, path, error);
   });
 }
 

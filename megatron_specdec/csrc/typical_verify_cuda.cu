@@ -14,7 +14,7 @@ constexpr int kWarpsPerBlock = 4;
 
 template <typename T>
 __global__ void typical_kernel(const int64_t* draft, const T* logits, const int64_t* lens, double inv_t, double eps,
-                               double alpha, ChainShape s, ChainWorkspace ws, int64_t chunks, int64_t* tokens,
+                               double alpha, ChainShape s, Workspace ws, int64_t chunks, int64_t* tokens,
                                int64_t* counts, int* error) {
   const int64_t b = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   if (b >= s.batch) return;
@@ -54,7 +54,7 @@ void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype
                     double temperature, double eps, double alpha, ChainShape shape, const RowStatsShape& stats,
                     void* workspace, int64_t* tokens, int64_t* counts, int* error, cudaStream_t stream) {
   if (shape.batch == 0) return;
-  const ChainWorkspace ws = carve_workspace(workspace, stats, shape.batch);
+  const Workspace ws = carve_workspace(workspace, stats, shape.batch);
   const double inv_t = 1.0 / temperature;
   launch_row_stats(logits, logits_dtype, lens, stats, inv_t, kWantArgmax | kWantSoftmax | kWantEntropy, ws.parts,
                    stream);
