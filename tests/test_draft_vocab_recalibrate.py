@@ -15,12 +15,13 @@ from megatron_specdec.export.draft_vocab_recalibrate import base_output_rows, re
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "eagle3_smollm2"
 
 
-def test_remap_keeps_known_rows_and_takes_base_rows_for_new_ones():
+def test_remap_keeps_known_rows_and_maps_base_rows_for_new_ones():
     old_targets = torch.tensor([1, 4, 7])
-    old_rows = torch.tensor([[10.0], [40.0], [70.0]])
-    base = torch.arange(9, dtype=torch.float32)[:, None] * -1.0
+    old_rows = torch.tensor([[10.0, 1.0], [40.0, 4.0], [70.0, 7.0]])
+    base = torch.stack([torch.arange(9.0) * -1.0, torch.arange(9.0) * 0.5], 1)  # trained rows: a linear map of the base rows
     rows = remap_rows(old_targets, old_rows, torch.tensor([0, 4, 7, 8]), base)
-    assert rows.flatten().tolist() == [-0.0, 40.0, 70.0, -8.0]
+    assert torch.equal(rows[1:3], old_rows[1:])  # kept rows are copied exactly
+    assert torch.allclose(rows[[0, 3]], torch.tensor([[0.0, 0.0], [80.0, 8.0]]), atol=1e-4)
 
 
 def _calibration(path):
@@ -49,9 +50,12 @@ def test_recalibrated_draft_keeps_trained_rows(default_hf_dir, tmp_path):
     base_rows = base_output_rows(default_hf_dir)
     for i, target in enumerate(new_targets.tolist()):
         hit = (old_targets == target).nonzero().flatten()
-        expected = old["lm_head.weight"][hit[0]] if hit.numel() else base_rows[target].to(torch.bfloat16)
-        if i % 997 == 0 or not hit.numel():
-            assert torch.equal(new["lm_head.weight"][i], expected), (i, target)
+        if hit.numel():
+            assert torch.equal(new["lm_head.weight"][i], old["lm_head.weight"][hit[0]]), (i, target)
+    fit = torch.linalg.lstsq(base_rows[old_targets].double(), old["lm_head.weight"].double()).solution
+    fresh = ~torch.isin(new_targets, old_targets)
+    mapped = (base_rows[new_targets[fresh]].double() @ fit).to(torch.bfloat16)
+    assert fresh.any() and torch.equal(new["lm_head.weight"][fresh], mapped)
     for name in old:
         if name not in ("lm_head.weight", "d2t", "t2d"):
             assert torch.equal(new[name], old[name]), name

@@ -2,8 +2,9 @@
 scratch: the N most frequent target tokens of new calibration data (data/draft_vocab.py).
 
 Tokens in both vocabularies keep their trained lm_head row; a token the draft could not
-propose before starts from the base model's output row of that token, as a new draft's rows
-do (layers/eagle3_module.init_output_from_base). Everything else is copied. The draft then
+propose before starts from the base model's output row of that token (as a new draft's rows
+do, layers/eagle3_module.init_output_from_base) mapped into the trained draft's row space by
+a least-squares fit over the tokens the old vocabulary holds. Everything else is copied. The draft then
 needs training for its new rows; the point is that data unlike the first calibration (code,
 other languages) or a larger vocabulary leaves fewer target tokens the draft can never draft.
 """
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Recalibration:
     kept: int  # draft tokens in both vocabularies (trained rows kept)
-    added: int  # tokens new to the draft (rows from the base's output layer)
+    added: int  # tokens new to the draft (rows from the base's output layer, mapped)
     coverage_before: float  # share of the calibration's assistant tokens the old vocab holds
     coverage_after: float
 
@@ -44,10 +45,15 @@ def base_output_rows(hf_dir) -> torch.Tensor:
 def remap_rows(old_targets: torch.Tensor, old_rows: torch.Tensor, new_targets: torch.Tensor,
                base_rows: torch.Tensor) -> torch.Tensor:
     """lm_head rows for `new_targets` (ascending target ids): the old row where the target was
-    in the old vocabulary (`old_targets`, ascending), else the base's row."""
+    in the old vocabulary (`old_targets`, ascending), else the base's row of the target mapped
+    into the draft's row space by the least-squares map from the base's rows to the trained
+    rows of the old vocabulary. (The base's rows as they are differ from trained rows by ~2x
+    their norm: as an init they outvoted the trained rows, and MT-bench AL fell from 1.82 to
+    1.16 before training.)"""
     where = torch.searchsorted(old_targets, new_targets).clamp(max=old_targets.numel() - 1)
     known = old_targets[where] == new_targets
-    rows = base_rows[new_targets].to(old_rows.dtype)
+    fit = torch.linalg.lstsq(base_rows[old_targets].double(), old_rows.double()).solution
+    rows = (base_rows[new_targets].double() @ fit).to(old_rows.dtype)
     rows[known] = old_rows[where[known]]
     return rows
 
@@ -88,7 +94,7 @@ def recalibrate(draft_dir, base_hf_dir, data, out_dir, draft_vocab_size=None, ma
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("draft vocabulary %d: %d tokens kept, %d new (rows from the base); calibration "
+    log.info("draft vocabulary %d: %d tokens kept, %d new (rows mapped from the base's); calibration "
              "coverage %.4f -> %.4f", size, result.kept, result.added, result.coverage_before,
              result.coverage_after)
     return result
