@@ -10,14 +10,6 @@ namespace specdec {
 namespace cuda {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;  // warp-per-request kernels: requests per block
-
-__device__ __forceinline__ int64_t warp_request() {
-  return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
-}
-
-__device__ __forceinline__ void fail(int* error, int code) { atomicCAS(error, 0, code); }
-
 __global__ void greedy_chain_ids_kernel(const int64_t* draft, const int64_t* target, const int64_t* lens,
                                         ChainShape s, int64_t* tokens, int64_t* counts) {
   const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -103,13 +95,9 @@ __global__ void stochastic_decide_kernel(const int64_t* draft, const T* logits, 
   if (threadIdx.x % 32 != 0) return;
   ws.stops[b].n = -1;
   const auto dist_of = [&](int64_t n, RowDist& dist) {
-    const RowPart& p = ws.merged[base + n];
-    if ((p.flags & kPartBad) || !(p.max > -pos_inf())) {
-      fail(error, (p.flags & kPartBad) ? kBadLogit : kEmptyRow);
-      return false;
-    }
-    dist = RowDist{p.max, p.sum, -pos_inf()};
-    return true;
+    const int code = part_dist(ws.merged[base + n], dist);
+    if (code != kOk) fail(error, code);
+    return code == kOk;
   };
   decide_chain(draft + b * s.k, logits + base * s.vocab, lens[b], q, q_dtype, uniforms + base, inv_t, s, b, dist_of,
                ws.stops[b], tokens, counts, error);
@@ -237,10 +225,6 @@ __global__ void __launch_bounds__(kThreads) stop_draw_kernel(const T* logits, co
   }
   if (pick < 0) pick = sample_buffer(w, s.vocab, 1.0, sh);  // rounding: u = 1 gives the last drawable index
   if (threadIdx.x == 0) tokens[b * (s.k + 1) + stop.n] = pick;
-}
-
-unsigned warp_blocks(int64_t batch) {
-  return static_cast<unsigned>((batch + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
 }  // namespace

@@ -57,6 +57,29 @@ __device__ inline RowPart combine_parts(const RowPart* parts, int64_t chunks) {
   return r;
 }
 
+// The target distribution of a row from its merged statistics: 0, or the ValueError code
+// (limits.h) of a row with a NaN/+inf logit or with every logit -inf.
+__device__ __forceinline__ int part_dist(const RowPart& p, RowDist& dist) {
+  if (p.flags & kPartBad) return kBadLogit;
+  if (!(p.max > -pos_inf())) return kEmptyRow;
+  dist = RowDist{p.max, p.sum, -pos_inf()};
+  return kOk;
+}
+
+// Kernels that decide one request a warp: requests per block, the warp's request, blocks.
+constexpr int kWarpsPerBlock = 4;
+
+__device__ __forceinline__ int64_t warp_request() {
+  return (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+}
+
+__host__ inline unsigned warp_blocks(int64_t batch) {
+  return static_cast<unsigned>((batch + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+// Records an error from any one thread (report() is thread 0 of a block's).
+__device__ __forceinline__ void fail(int* error, int code) { atomicCAS(error, 0, code); }
+
 // The lanes of one warp merge the chunks of a request's rows [0, rows) into merged[0, rows),
 // a row per lane, so a decision (lane 0) does not merge row after row on its own.
 __device__ inline void merge_request_rows(const RowPart* parts, int64_t chunks, int64_t rows, RowPart* merged) {

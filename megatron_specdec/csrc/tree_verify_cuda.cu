@@ -90,13 +90,9 @@ template <typename T>
 __device__ bool tree_row_dist(const T* row, const RowPart* merged, int64_t vocab, const Sampling& sp, double* w,
                               Shared& sh, int* error, RowDist& dist) {
   if (merged == nullptr) return row_dist(row, vocab, sp, w, sh, error, dist);
-  const RowPart p = *merged;
-  if ((p.flags & kPartBad) || !(p.max > -pos_inf())) {
-    report(error, (p.flags & kPartBad) ? kBadLogit : kEmptyRow);
-    return false;
-  }
-  dist = RowDist{p.max, p.sum, -pos_inf()};
-  return true;
+  const int code = part_dist(*merged, dist);
+  if (code != kOk) report(error, code);
+  return code == kOk;
 }
 
 template <typename T>

@@ -10,13 +10,11 @@ namespace specdec {
 namespace cuda {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;
-
 template <typename T>
 __global__ void typical_kernel(const int64_t* draft, const T* logits, const int64_t* lens, double inv_t, double eps,
                                double alpha, ChainShape s, Workspace ws, int64_t chunks, int64_t* tokens,
                                int64_t* counts, int* error) {
-  const int64_t b = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int64_t b = warp_request();
   if (b >= s.batch) return;
   const int64_t vocab = s.vocab, base = b * (s.k + 1);
   merge_request_rows(ws.parts + base * chunks, chunks, lens[b] + 1, ws.merged + base);
@@ -26,24 +24,17 @@ __global__ void typical_kernel(const int64_t* draft, const T* logits, const int6
   int64_t n = 0;
   for (; n < lens[b]; ++n) {
     // p(d) > min(eps, alpha * exp(-H)), H = log Z - sum e (x - max) / Z.
-    if (d[n] < 0 || d[n] >= vocab) {
-      atomicCAS(error, 0, kBadId);
-      return;
-    }
+    if (d[n] < 0 || d[n] >= vocab) return fail(error, kBadId);
     const RowPart& row = ws.merged[base + n];
-    if ((row.flags & kPartBad) || !(row.max > -pos_inf())) {
-      atomicCAS(error, 0, (row.flags & kPartBad) ? kBadLogit : kEmptyRow);
-      return;
-    }
+    RowDist dist;
+    const int code = part_dist(row, dist);
+    if (code != kOk) return fail(error, code);
     const double entropy = log(row.sum) - row.xsum / row.sum;
-    const double p = value_prob(rows[n * vocab + d[n]], RowDist{row.max, row.sum, -pos_inf()}, inv_t);
+    const double p = value_prob(rows[n * vocab + d[n]], dist, inv_t);
     if (!(p > fmin(eps, alpha * exp(-entropy)))) break;
   }
   const RowPart& last = ws.merged[base + n];
-  if (last.flags & kPartNaN) {
-    atomicCAS(error, 0, kBadLogit);
-    return;
-  }
+  if (last.flags & kPartNaN) return fail(error, kBadLogit);
   for (int64_t i = 0; i <= s.k; ++i) tokens[base + i] = i < n ? d[i] : (i == n ? last.best_idx : -1);
   counts[b] = n;
 }
@@ -58,12 +49,11 @@ void launch_typical(const int64_t* draft, const void* logits, DType logits_dtype
   const double inv_t = 1.0 / temperature;
   launch_row_stats(logits, logits_dtype, lens, stats, inv_t, kWantArgmax | kWantSoftmax | kWantEntropy, ws.parts,
                    stream);
-  const unsigned blocks = static_cast<unsigned>((shape.batch + kWarpsPerBlock - 1) / kWarpsPerBlock);
   dispatch_logits(logits_dtype, [&](auto tag) {
     using T = decltype(tag);
-    typical_kernel<T><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(draft, static_cast<const T*>(logits), lens, inv_t,
-                                                                 eps, alpha, shape, ws, stats.chunks, tokens, counts,
-                                                                 error);
+    typical_kernel<T><<<warp_blocks(shape.batch), 32 * kWarpsPerBlock, 0, stream>>>(
+        draft, static_cast<const T*>(logits), lens, inv_t, eps, alpha, shape, ws, stats.chunks, tokens, counts,
+        error);
   });
 }
 

@@ -32,13 +32,14 @@ class Recalibration:
 
 
 def base_output_rows(hf_dir) -> torch.Tensor:
-    """The base's output layer [vocab, hidden] (the tied embedding when lm_head is absent)."""
-    from megatron_specdec.hf_conversion import read_hf_state
+    """The base's output layer [vocab, hidden] (the tied embedding when lm_head is absent),
+    read alone from its file."""
+    from megatron_specdec.weights.files import HFTensors
 
-    state = read_hf_state(hf_dir)
+    tensors = HFTensors(hf_dir)
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        if name in state:
-            return state[name]
+        if name in tensors:
+            return tensors[name]
     raise DraftMismatchError(f"{hf_dir}: no lm_head.weight or model.embed_tokens.weight")
 
 
