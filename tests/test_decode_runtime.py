@@ -36,7 +36,7 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(model):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_specdec.layers.decode_attention import SDPAttention
+    from megatron_specdec.layers.decode_attention import SDPAttention, grouped_sdpa
 
     config = model.base.config
     args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.arbitrary,
@@ -53,6 +53,10 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(model):
         got = ours(q, k, v, mask, AttnMaskType.arbitrary)
         want = theirs(q, k, v, mask, AttnMaskType.arbitrary)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert heads > groups  # the grouped path below is exercised
+    for fold in (False, True):  # fold: what a GPU takes (query heads as rows of their group)
+        out = grouped_sdpa(q, k, v, ~mask, False, ours.softmax_scale, fold)
+        torch.testing.assert_close(out.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_over_the_cache_equals_a_full_forward(model):
@@ -117,3 +121,27 @@ def test_bad_generation_input_is_named(model):
         SpeculativeGenerator(model, 2, policy="eager")
     with pytest.raises(ValueError, match="drafter 'medusa' needs a model whose draft module is medusa"):
         SpeculativeGenerator(model, 2, drafter_kind="medusa")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_grouped_attention_runs_on_a_fused_cuda_kernel(dtype):
+    """A decode step's masked grouped attention on a GPU: the folded form runs on the
+    memory-efficient kernel (the enable_gqa form would fall back to the math path, copying
+    the cache) and equals the math path's result."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_specdec.layers.decode_attention import grouped_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 64, 9, 64, device="cuda", dtype=dtype, generator=g)
+    k, v = torch.randn(2, 300, 64, 3, 64, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.randint(100, 300, (64,), device="cuda", generator=g)
+    mask = (torch.arange(300, device="cuda") < lengths[:, None])[:, None, None]  # may attend
+    with sdpa_kernel(SDPBackend.MATH):
+        want = grouped_sdpa(q, k, v, mask, False, 0.125, fold=False)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        got = grouped_sdpa(q, k, v, mask, False, 0.125, fold=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

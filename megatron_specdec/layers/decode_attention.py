@@ -169,8 +169,9 @@ class DecodeSelfAttention(SelfAttention):
 
 class SDPAttention(DotProductAttention):
     """megatron's local core attention with its inference forward on
-    `torch.nn.functional.scaled_dot_product_attention` (grouped keys read in place, no
-    [b, heads, s_q, s_k] buffers of megatron's own). Training keeps megatron's forward."""
+    `torch.nn.functional.scaled_dot_product_attention` (grouped keys read in place, once per
+    group, no [b, heads, s_q, s_k] buffers of megatron's own). Training keeps megatron's
+    forward."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -180,11 +181,30 @@ class SDPAttention(DotProductAttention):
         if self.training or torch.is_grad_enabled() or not plain:
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
-        s, b = query.shape[:2]
         causal = attention_mask is None and attn_mask_type == AttnMaskType.causal
-        out = F.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            attn_mask=None if attention_mask is None else ~attention_mask,
-            is_causal=causal, scale=self.softmax_scale,
-            enable_gqa=query.shape[2] != key.shape[2])
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+        mask = None if attention_mask is None else ~attention_mask
+        # CUDA's fused kernels take enable_gqa only in half precision without a mask; else
+        # SDPA falls back to its math path, which copies the whole cache `rep` times in every
+        # layer. On a CPU its flash kernel reads grouped keys in place and is the faster one.
+        fold = query.is_cuda and (mask is not None or query.dtype == torch.float32)
+        out = grouped_sdpa(query, key, value, mask, causal, self.softmax_scale, fold)
+        return out.reshape(out.shape[0], out.shape[1], self.hidden_size_per_partition)
+
+
+def grouped_sdpa(query, key, value, mask, causal: bool, scale: float, fold: bool) -> Tensor:
+    """Attention of query [s, b, heads, d] over key/value [s_k, b, groups, d] (mask [b|1, 1,
+    s, s_k], True = may attend), as [s, b, heads, d]. `fold`: the heads of a query group
+    become rows of one query over that group's keys, so every backend reads each key once
+    (not with `causal`)."""
+    s, b, heads, d = query.shape
+    groups = key.shape[2]
+    rep = heads // groups
+    query = query.permute(1, 2, 0, 3)  # [b, heads, s, d]
+    fold = fold and rep > 1 and not causal
+    if fold:
+        query = query.reshape(b, groups, rep * s, d)
+        mask = None if mask is None else mask.expand(-1, -1, s, -1).repeat(1, 1, rep, 1)
+    out = F.scaled_dot_product_attention(
+        query, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), attn_mask=mask,
+        is_causal=causal, scale=scale, enable_gqa=rep > 1 and not fold)
+    return out.reshape(b, heads, s, d).permute(2, 0, 1, 3)
