@@ -21,7 +21,7 @@ def test_help_lists_the_commands():
         text=True,
         check=True,
     ).stdout
-    assert all(cmd in out for cmd in ("regenerate", "calibrate", "sources"))
+    assert all(cmd in out for cmd in ("regenerate", "synthesize", "ground", "calibrate", "sources"))
 
 
 def _conversations(path, n=4):

@@ -1,4 +1,4 @@
-"""CLI: python -m megatron_specdec.data {regenerate,synthesize,calibrate,sources} --help"""
+"""CLI: python -m megatron_specdec.data {regenerate,synthesize,ground,calibrate,sources} --help"""
 
 import argparse
 import logging
@@ -136,6 +136,16 @@ def _synthesize(args):
     )
 
 
+def _ground(args):
+    from megatron_specdec.data import grounded
+
+    requests = grounded.read_instructions(args.instructions)
+    passages = grounded.read_passages(args.conversations, args.min_chars, args.max_chars,
+                                      args.on_error)
+    rows = grounded.grounded_prompts(passages, requests, args.num_prompts, args.seed)
+    grounded.write_prompts(rows, args.out)
+
+
 def _read_prefixes(path) -> list:
     """One prefix a line; blank lines and lines starting with '#' are skipped."""
     try:
@@ -241,6 +251,25 @@ def main(argv=None):
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_synthesize)
+
+    p = sub.add_parser(
+        "ground",
+        help="requests about a given text (extract, summarise, rewrite), passages from earlier "
+        "answers, for `regenerate`",
+    )
+    p.add_argument("--conversations", nargs="+", required=True,
+                   help="conversations jsonl(.gz) whose assistant turns are the passages")
+    p.add_argument("--instructions", required=True,
+                   help="requests with {text}, one a line (e.g. data/grounded_instructions.txt)")
+    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-chars", type=int, default=300, help="shorter passages are skipped")
+    p.add_argument("--max-chars", type=int, default=1000,
+                   help="passages are cut at a paragraph or sentence end within this")
+    p.add_argument("--on-error", choices=ON_ERROR_CHOICES, default="skip",
+                   help="bad input rows (default: skip)")
+    p.add_argument("--out", required=True, help="prompts jsonl ({id, prompt})")
+    p.set_defaults(func=_ground)
 
     p = sub.add_parser("calibrate", help="build the draft vocabulary (d2t, t2d) from conversations")
     p.add_argument("--data", nargs="+", required=True, help="conversations jsonl file(s)")
