@@ -82,6 +82,10 @@ class TrainingConfig:
     # Megatron's --exit-duration-in-mins: past this many minutes of this run's wall time,
     # checkpoint the current step and stop (then the usual final export); 0 = off.
     exit_duration_mins: float = 0.0
+    # Megatron's --profile-step-start/-end: steps [start, end) run under torch.profiler and
+    # rank 0 writes the ops that took the most time (device time on a GPU) to
+    # <output_dir>/profile.txt; empty = off.
+    profile_steps: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -181,6 +185,10 @@ def validate(r: Recipe):
            "training.global_batch_size", "must be a multiple of training.micro_batch_size")
     _check(r.training.exit_duration_mins >= 0, "training.exit_duration_mins",
            f"{r.training.exit_duration_mins}; must be >= 0 (0 = off)")
+    _check(not r.training.profile_steps or (
+        len(r.training.profile_steps) == 2 and 0 <= r.training.profile_steps[0]
+        < r.training.profile_steps[1]), "training.profile_steps",
+        f"{list(r.training.profile_steps)}; expected [start, end) with 0 <= start < end, or []")
     _check(r.training.mode in ("online", "offline"), "training.mode",
            f"{r.training.mode!r}; expected online or offline")
     _check(r.training.mode == "online" or r.parallelism.pp == 1, "training.mode",

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_trained, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
-                                       offline, optimizer, schedule)
+                                       offline, optimizer, profiling, schedule)
 from megatron_specdec.training.batches import step_batches
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
@@ -98,7 +98,9 @@ def train(recipe) -> dict:
     interval = recipe.checkpointing.interval
     start_time, start_step, last = time.time(), state.step, {}
     acceptance, stopped = None, "steps"
+    profiler = profiling.StepProfiler(recipe)
     while state.step < total:
+        profiler.before(state.step)
         lr = optimizer.lr_at(state.step, recipe.optimizer, total)
         micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack)
         opt.zero_grad()
@@ -108,6 +110,7 @@ def train(recipe) -> dict:
         state.step += 1
         state.consumed_samples = batches.consumed_samples
         state.tokens += last["tokens"]
+        profiler.after(state.step)
         reporter.step(state.step, last, lr, grad_norm,
                       recipe.training.global_batch_size * recipe.data.seq_length)
         if state.step < total and _time_is_up(run_start, recipe.training.exit_duration_mins):
@@ -122,6 +125,7 @@ def train(recipe) -> dict:
             break
         if evaluation.due(recipe, state.step):
             acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
+    profiler.close(state.step)
     final = Path(recipe.output_dir) / FINAL_DIR
     save_trained(model, final, meta, tokenizer_dir,
                  {"base_model": recipe.model.path, "data": list(recipe.data.train),
