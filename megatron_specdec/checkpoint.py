@@ -72,6 +72,17 @@ def check_output_dir(path, overwrite: bool, what: str = "output directory"):
         raise FileExistsError(f"{what} {path} exists and is not empty; pass --overwrite to replace it")
 
 
+def write_text_atomic(path, text: str):
+    """`text` into the file `path`: written and synced beside it, then renamed into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def atomic_dir(path):
     """A fresh temporary directory beside `path` (same filesystem, so rename is atomic)."""
     path = Path(path)

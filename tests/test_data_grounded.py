@@ -72,4 +72,4 @@ def test_cli_writes_the_prompts(tmp_path):
           "--num-prompts", "4", "--seed", "1", "--min-chars", "10", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and all(r["prompt"].startswith("Extract the numbers:\n\n") for r in rows)
-    assert not (out.parent / "g.jsonl.tmp").exists()
+    assert [p.name for p in out.parent.iterdir()] == ["g.jsonl"]  # no temporary file left

@@ -5,7 +5,7 @@ import logging
 import sys
 
 from megatron_specdec.cli import setup_logging
-from megatron_specdec.data.jsonl import ON_ERROR_CHOICES, DataError
+from megatron_specdec.data.jsonl import ON_ERROR_CHOICES, DataError, read_list_file
 from megatron_specdec.data.openai_backend import BackendError
 from megatron_specdec.data.sources import PRESETS, TRAIN_PRESETS
 
@@ -148,14 +148,7 @@ def _ground(args):
 
 def _read_prefixes(path) -> list:
     """One prefix a line; blank lines and lines starting with '#' are skipped."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise DataError(f"--user-prefixes {path}: {e.strerror}") from None
-    prefixes = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    if not prefixes:
-        raise DataError(f"--user-prefixes {path}: no prefixes (one a line, '#' for comments)")
-    return prefixes
+    return [text for _, text in read_list_file(path, "--user-prefixes", "prefixes")]
 
 
 def _calibrate(args):

@@ -12,12 +12,12 @@ taken from an evaluation set.
 
 import json
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Sequence
 
-from megatron_specdec.data.jsonl import BadRows, DataError, iter_jsonl
+from megatron_specdec.checkpoint import write_text_atomic
+from megatron_specdec.data.jsonl import BadRows, DataError, iter_jsonl, read_list_file
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,12 @@ PLACEHOLDER = "{text}"
 def read_instructions(path) -> list:
     """Requests, one a line ('#' comments and blank lines skipped; a literal \\n is a line
     break); each must hold {text} exactly once."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise DataError(f"--instructions {path}: {e.strerror}") from None
     requests = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip() or line.startswith("#"):
-            continue
+    for lineno, line in read_list_file(path, "--instructions", "requests"):
         if line.count(PLACEHOLDER) != 1:
             raise DataError(f"{path}:{lineno}: a request needs {PLACEHOLDER} exactly once, "
                             f"found {line.count(PLACEHOLDER)}")
-        requests.append(line.strip().replace("\\n", "\n"))
-    if not requests:
-        raise DataError(f"--instructions {path}: no requests (one a line, '#' for comments)")
+        requests.append(line.replace("\\n", "\n"))
     return requests
 
 
@@ -96,9 +88,5 @@ def write_prompts(rows: Sequence, out) -> None:
     """jsonl at `out`, written to a temporary file and renamed into place."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     log.info("%d grounded prompts -> %s", len(rows), out)

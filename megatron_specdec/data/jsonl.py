@@ -41,6 +41,21 @@ class BadRows:
             log.warning("%s: skipped %d bad row(s)", path, self.count)
 
 
+def read_list_file(path, flag: str, what: str) -> list:
+    """(1-based line number, stripped text) of each entry of a one-entry-a-line text file named
+    by `flag`; blank lines and lines starting with '#' are skipped. Unreadable or empty: a
+    DataError naming the flag and the file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise DataError(f"{flag} {path}: {e.strerror}") from None
+    entries = [(lineno, line.strip()) for lineno, line in enumerate(lines, start=1)
+               if line.strip() and not line.startswith("#")]
+    if not entries:
+        raise DataError(f"{flag} {path}: no {what} (one a line, '#' for comments)")
+    return entries
+
+
 def iter_jsonl(path, bad_rows: BadRows) -> Iterator[tuple[int, dict]]:
     """Yield (1-based line number, object) for each non-blank line; other lines go to `bad_rows`.
     A `.gz` file is read decompressed (committed datasets are stored that way)."""

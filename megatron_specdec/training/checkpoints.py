@@ -121,7 +121,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
                                sharded_state_dict=_sharded_state(model, optimizer, rng_tensors()))
     if dist.get_rank() == 0:
         _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
-        _write_text_atomic(Path(directory) / LATEST, path.name + "\n")
+        checkpoint.write_text_atomic(Path(directory) / LATEST, path.name + "\n")
         for old in checkpoints_in(directory, with_manifest=True)[keep_last:]:
             checkpoint.remove_dir(old)
     dist.barrier()
@@ -301,14 +301,5 @@ def find_resumable(directory) -> Optional[Path]:
     return Path(box[0]) if box[0] else None
 
 
-def _write_text_atomic(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json_atomic(path: Path, obj):
-    _write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+    checkpoint.write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))

@@ -16,20 +16,19 @@ ROWS = 30
 
 class StepProfiler:
     """`before(step)` with the number of steps done so far, `after(step)` once a step ends,
-    `close()` after the loop (a run that stops inside the window still writes its table).
+    `close(step)` after the loop (a run that stops inside the window still writes its table).
     The window is steps [start, end) of the run's count; a run resumed past start skips it."""
 
     def __init__(self, recipe):
         self.window = list(recipe.training.profile_steps)
         self.out = Path(recipe.output_dir) / "profile.txt"
+        self._cuda = torch.cuda.is_available()
         self._profiler = None
         self._first = None
 
     def before(self, step: int):
         if self.window and step == self.window[0]:
-            activities = [ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(ProfilerActivity.CUDA)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
             self._profiler = profile(activities=activities)
             self._profiler.__enter__()
             self._first = step
@@ -38,18 +37,17 @@ class StepProfiler:
         if self._profiler is not None and step >= self.window[1]:
             self.close(step)
 
-    def close(self, step: int = None):
+    def close(self, step: int):
         if self._profiler is None:
             return
-        if torch.cuda.is_available():
+        if self._cuda:
             torch.cuda.synchronize()
         self._profiler.__exit__(None, None, None)
         profiler, self._profiler = self._profiler, None
         if dist.get_rank() != 0:
             return
-        device = torch.cuda.is_available()
-        key = "self_cuda_time_total" if device else "self_cpu_time_total"
+        key = "self_cuda_time_total" if self._cuda else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=key, row_limit=ROWS)
-        steps = f"steps {self._first + 1}-{step}" if step else f"from step {self._first + 1}"
+        steps = f"steps {self._first + 1}-{step}"
         self.out.write_text(f"# torch.profiler, {steps}, sorted by {key}\n{table}\n")
         log.info("profile of %s -> %s", steps, self.out)
