@@ -21,6 +21,11 @@ that is right exactly where the base's top-1 probability is at least c, or where
 draft vocabulary holds the token (the loop replayed on the same continuations): where the
 remaining acceptance has to come from.
 
+`by_answer_offset` splits step 0's teacher-forced agreement by the drafted token's place in its
+answer (bands of 32 tokens), on the prompts and on the training rows: MT-bench reads only an
+answer's first 128 tokens. On the training rows step 0 is also split by the base's confidence,
+so the prompts and the training data compare at equal difficulty.
+
     python bench/bench_draft_gap.py --model SPEC_CKPT [--num-prompts 16] [--train-rows 16]
 """
 
@@ -36,6 +41,49 @@ RESULTS = REPO / "bench" / "results" / "draft_gap.json"
 
 
 CONFIDENCE_EDGES = (0.5, 0.8, 0.95)  # the bands of by_base_confidence and oracle_al's c
+OFFSET_BAND, OFFSET_BANDS = 32, 8  # by_answer_offset: [0, 32), ..., [224, 256), >= 256
+
+
+class Bands:
+    """Step-0 hits counted by band: agreement and share of each band."""
+
+    def __init__(self, n):
+        self.hit, self.count = torch.zeros(n), torch.zeros(n)
+
+    def add(self, band, hits):
+        self.hit.index_add_(0, band, hits.float())
+        self.count.index_add_(0, band, torch.ones_like(hits, dtype=torch.float))
+
+    def rows(self, labels, **extra):
+        total = float(self.count.sum())
+        return [{"band": label, "share": round(float(n) / total, 4) if total else None,
+                 "step0_agreement": round(float(h / n), 4) if n else None,
+                 **{k: (round(float(v[i] / n), 4) if n else None) for k, v in extra.items()}}
+                for i, (label, h, n) in enumerate(zip(labels, self.hit, self.count))]
+
+
+def confidence_labels():
+    edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
+    return [f"[{lo}, {hi}{']' if hi == 1.0 else ')'}" for lo, hi in zip(edges, edges[1:])]
+
+
+def offset_labels():
+    return [f"[{i * OFFSET_BAND}, {(i + 1) * OFFSET_BAND})" for i in range(OFFSET_BANDS)] \
+        + [f">= {OFFSET_BANDS * OFFSET_BAND}"]
+
+
+def offset_band(offsets):
+    return (offsets // OFFSET_BAND).clamp(max=OFFSET_BANDS)
+
+
+def answer_offsets(mask):
+    """[n] long: each position's place in its run of True (assistant tokens): 0 at a run's
+    first token; positions outside a run read 0 and are not scored."""
+    out = torch.zeros(mask.numel(), dtype=torch.long)
+    for i in range(1, mask.numel()):
+        if mask[i] and mask[i - 1]:
+            out[i] = out[i - 1] + 1
+    return out
 
 
 @torch.no_grad()
@@ -103,7 +151,8 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
     eos = end_of_turn_ids(tokenizer)
     tf, starts, loop, mismatches = [[0, 0] for _ in range(k)], \
         [[0, 0] for _ in range(k)], [[0, 0] for _ in range(k)], 0
-    buckets = [[0, 0, 0] for _ in range(len(CONFIDENCE_EDGES) + 1)]
+    by_conf, in_vocab_count = Bands(len(CONFIDENCE_EDGES) + 1), torch.zeros(len(CONFIDENCE_EDGES) + 1)
+    by_offset = Bands(OFFSET_BANDS + 1)
     replays = {}  # rule -> accepted counts of every replayed round
     loop_accepted = []
     t2d = model.draft.t2d.cpu()
@@ -116,10 +165,9 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
         in_vocab = t2d[torch.tensor(full)]  # token u+2 is the one step 0 at u drafts
         row_vocab = in_vocab[first + 2: len(full)]
         which = torch.bucketize(row_conf, torch.tensor(CONFIDENCE_EDGES), right=True)
-        for b in range(len(buckets)):
-            buckets[b][0] += int(row[which == b].sum())
-            buckets[b][1] += int((which == b).sum())
-            buckets[b][2] += int(row_vocab[which == b].sum())
+        by_conf.add(which, row)
+        in_vocab_count.index_add_(0, which, row_vocab.float())
+        by_offset.add(offset_band(torch.arange(row.numel()) + 1), row)  # row i drafts token P+1+i
         rules = {f">= {c}": lambda j, u, c=c: bool(conf[u] >= c) for c in CONFIDENCE_EDGES}
         rules["in draft vocabulary"] = lambda j, u: bool(in_vocab[u + 2])
         # the draft's own teacher-forced hits: checks the replay against the loop
@@ -138,18 +186,12 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
             loop[j][1] += 1
             mismatches += int(hits[j, u]) != int(ok)
     rate = lambda c: [round(a / n, 4) if n else None for a, n in c]  # noqa: E731
-    edges = (0.0,) + CONFIDENCE_EDGES + (1.0,)
-    total = sum(n for _, n, _ in buckets)
-    by_conf = [{"base_top1_prob": f"[{lo}, {hi}{']' if hi == 1.0 else ')'}",
-                "share": round(n / total, 4) if total else None,
-                "step0_agreement": round(a / n, 4) if n else None,
-                "in_draft_vocab": round(v / n, 4) if n else None}
-               for (a, n, v), lo, hi in zip(buckets, edges, edges[1:])]
     return {"teacher_forced": rate(tf), "at_round_starts": rate(starts), "in_loop": rate(loop),
             "verified_drafts": sum(n for _, n in loop), "mismatches": mismatches,
             "rounds": len(loop_accepted), "al": chain_al(loop_accepted),
             "replayed_al": chain_al(replays.pop("own hits")),
-            "by_base_confidence": by_conf,
+            "by_base_confidence": by_conf.rows(confidence_labels(), in_draft_vocab=in_vocab_count),
+            "by_answer_offset": by_offset.rows(offset_labels()),
             "oracle_al": {name: chain_al(counts) for name, counts in replays.items()}}
 
 
@@ -161,18 +203,27 @@ def train_agreement(model, tokenizer, files, rows, k, seq_length=512):
 
     dataset = ConversationDataset.from_files(files, tokenizer, seq_length, False, 0, "skip")
     hit, count = torch.zeros(k), torch.zeros(k)
+    by_conf, by_offset = Bands(len(CONFIDENCE_EDGES) + 1), Bands(OFFSET_BANDS + 1)
     for i in range(min(rows, len(dataset))):
         row = dataset[i]
         n = int((row["segment_ids"] > 0).sum())
         tokens = row["input_ids"][:n].tolist()
-        hits, _ = draft_hits(model, tokens, k)
+        hits, conf = draft_hits(model, tokens, k)
         target = row["loss_mask"][:n].bool()
         for j in range(k):
             scored = torch.zeros(n, dtype=torch.bool)
             scored[j: n - 2] = target[j + 2:]  # position u scores token u+2
             hit[j] += hits[j][scored].sum()
             count[j] += scored.sum()
-    return [round(float(h / c), 4) if c else None for h, c in zip(hit, count)]
+            if j == 0:
+                which = torch.bucketize(conf[scored], torch.tensor(CONFIDENCE_EDGES), right=True)
+                by_conf.add(which, hits[0][scored])
+                offsets = torch.zeros(n, dtype=torch.long)
+                offsets[: n - 2] = answer_offsets(target)[2:]
+                by_offset.add(offset_band(offsets[scored]), hits[0][scored])
+    return {"by_step": [round(float(h / c), 4) if c else None for h, c in zip(hit, count)],
+            "by_base_confidence": by_conf.rows(confidence_labels()),
+            "by_answer_offset": by_offset.rows(offset_labels())}
 
 
 def main():
@@ -210,8 +261,9 @@ def main():
               "max_new_tokens": args.max_new_tokens, "k": args.k,
               **measure(model, tokenizer, prompts, args.k, args.max_new_tokens)}
     files = [f for f in args.train_data if Path(f).is_file()]
-    report["train_teacher_forced"] = train_agreement(model, tokenizer, files, args.train_rows,
-                                                     args.k)
+    train = train_agreement(model, tokenizer, files, args.train_rows, args.k)
+    report["train_teacher_forced"] = train.pop("by_step")
+    report["train_step0"] = train
     report["train_data"] = f"{files}, first {args.train_rows} conversations"
     report["seconds"] = round(time.time() - start, 1)
     print(f"{'TTT step':>8} {'train TF':>9} {'prompts TF':>10} {'round starts':>12} {'in loop':>8}")
@@ -222,10 +274,13 @@ def main():
                                     for c, w in zip(cells, (9, 10, 12, 8))))
     print(f"loop drafts verified: {report['verified_drafts']}, disagreeing with teacher forcing:"
           f" {report['mismatches']}; rounds {report['rounds']}")
-    print("step-0 agreement on the prompts by the base's top-1 probability:")
-    for b in report["by_base_confidence"]:
-        print(f"  {b['base_top1_prob']:>12}: {b['share']:.1%} of positions, "
-              f"agreement {b['step0_agreement']}, in the draft vocabulary {b['in_draft_vocab']}")
+    for split, title in (("by_base_confidence", "the base's top-1 probability"),
+                         ("by_answer_offset", "the drafted token's place in its answer")):
+        print(f"step-0 agreement by {title} (prompts | training rows):")
+        for b, t in zip(report[split], report["train_step0"][split]):
+            vocab = f", in the draft vocabulary {b['in_draft_vocab']}" if "in_draft_vocab" in b else ""
+            print(f"  {b['band']:>12}: {b['share'] or 0:.1%} of positions, agreement "
+                  f"{b['step0_agreement']}{vocab} | {t['share'] or 0:.1%}, {t['step0_agreement']}")
     print(f"AL in the loop {report['al']}, replayed from teacher forcing {report['replayed_al']}")
     print("chain AL of a draft right exactly where: "
           + ", ".join(f"top-1 probability {c}: {al}" if c.startswith(">=") else f"{c}: {al}"
