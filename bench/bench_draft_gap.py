@@ -72,6 +72,10 @@ def offset_labels():
         + [f">= {OFFSET_BANDS * OFFSET_BAND}"]
 
 
+def confidence_band(conf):
+    return torch.bucketize(conf, torch.tensor(CONFIDENCE_EDGES), right=True)
+
+
 def offset_band(offsets):
     return (offsets // OFFSET_BAND).clamp(max=OFFSET_BANDS)
 
@@ -164,7 +168,7 @@ def measure(model, tokenizer, prompts, k, max_new_tokens):
         row, row_conf = hits[0, first: len(full) - 2], conf[first: len(full) - 2]
         in_vocab = t2d[torch.tensor(full)]  # token u+2 is the one step 0 at u drafts
         row_vocab = in_vocab[first + 2: len(full)]
-        which = torch.bucketize(row_conf, torch.tensor(CONFIDENCE_EDGES), right=True)
+        which = confidence_band(row_conf)
         by_conf.add(which, row)
         in_vocab_count.index_add_(0, which, row_vocab.float())
         by_offset.add(offset_band(torch.arange(row.numel()) + 1), row)  # row i drafts token P+1+i
@@ -215,12 +219,11 @@ def train_agreement(model, tokenizer, files, rows, k, seq_length=512):
             scored[j: n - 2] = target[j + 2:]  # position u scores token u+2
             hit[j] += hits[j][scored].sum()
             count[j] += scored.sum()
-            if j == 0:
-                which = torch.bucketize(conf[scored], torch.tensor(CONFIDENCE_EDGES), right=True)
-                by_conf.add(which, hits[0][scored])
-                offsets = torch.zeros(n, dtype=torch.long)
-                offsets[: n - 2] = answer_offsets(target)[2:]
-                by_offset.add(offset_band(offsets[scored]), hits[0][scored])
+        step0 = torch.zeros(n, dtype=torch.bool)
+        step0[: n - 2] = target[2:]
+        by_conf.add(confidence_band(conf[step0]), hits[0][step0])
+        offsets = answer_offsets(target)[2:]  # the place of token u+2, the one u drafts
+        by_offset.add(offset_band(offsets[step0[: n - 2]]), hits[0][step0])
     return {"by_step": [round(float(h / c), 4) if c else None for h, c in zip(hit, count)],
             "by_base_confidence": by_conf.rows(confidence_labels()),
             "by_answer_offset": by_offset.rows(offset_labels())}
