@@ -2,6 +2,7 @@
 megatron_specdec.distributed.spawn (gloo on CPU), which write their results to files."""
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,22 @@ def one_process():
     distributed.initialize(1, 1)
     yield
     distributed.destroy()  # leave no process group behind for other test modules
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """`module_tmp(name)`: a new folder for a module's fixtures, all removed when the module
+    ends. The suite writes several GB of checkpoints and CI's disk is shared: a run that kept
+    them to the end ran it out of space (writes failing in dist_checkpointing)."""
+    root = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+
+    def make(name):
+        path = root / name
+        path.mkdir()
+        return path
+
+    yield make
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,8 @@ def _import_base(out):
 
 
 @pytest.fixture(scope="module")
-def base_ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "base"
+def base_ckpt(module_tmp):
+    out = module_tmp("smollm2") / "base"
     distributed.spawn(_import_base, 1, str(out))  # a child process: no groups left behind here
     return out
 

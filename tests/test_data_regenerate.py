@@ -57,8 +57,8 @@ def _lines(path):
 
 
 @pytest.fixture(scope="module")
-def reference(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ref") / "regen.jsonl"
+def reference(tokenizer, module_tmp):
+    path = module_tmp("ref") / "regen.jsonl"
     stats = regenerate(ROWS, EchoBackend(), tokenizer, path, batch_size=4, progress=False)
     assert (stats.written, stats.already_done) == (len(ROWS), 0)
     return _lines(path)

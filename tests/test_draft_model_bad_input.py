@@ -27,9 +27,9 @@ def word_tokenizer(path, words):
 
 
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory):
+def draft(module_tmp):
     """(a saved one-layer draft checkpoint with tokenizer A, tokenizer A, tokenizer B)."""
-    root = tmp_path_factory.mktemp("draft")
+    root = module_tmp("draft")
     distributed.initialize(1, 1)
     ours = word_tokenizer(root / "tok_a", ["red", "green"])
     save_draft(root / "ckpt", [0], tokenizer_dir=ours)

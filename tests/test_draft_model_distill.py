@@ -17,8 +17,8 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill")
+def setup(module_tmp):
+    root = module_tmp("distill")
     model = ts.make_tiny_model(root / "model")
     data = ts.write_conversations(root / "conv.jsonl")
     student = root / "student"

@@ -177,9 +177,9 @@ def load_worker(tp, pp, ckpt_dir, out_file):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(module_tmp):
     """Global draft states and single-process results (run in a child: clean groups)."""
-    out = tmp_path_factory.mktemp("ref") / "ref.pt"
+    out = module_tmp("ref") / "ref.pt"
     distributed.spawn(_reference_worker, 1, str(out))
     return torch.load(out, weights_only=False)
 

@@ -62,24 +62,24 @@ def prompts(default_hf_dir):
 
 
 @pytest.fixture(scope="module")
-def project_greedy(vllm_env, prompts, tmp_path_factory):
-    out = tmp_path_factory.mktemp("greedy") / "greedy.pt"
+def project_greedy(vllm_env, prompts, module_tmp):
+    out = module_tmp("greedy") / "greedy.pt"
     distributed.spawn(_project_greedy, 1, prompts, str(out))
     return torch.load(out)
 
 
 @pytest.fixture(scope="module")
-def base_tp2(vllm_env, tmp_path_factory):
+def base_tp2(vllm_env, module_tmp):
     """SmolLM2 (fp32) saved at TP=2 (its 3 query groups padded to 4)."""
     from megatron_specdec.hf_conversion import hf_to_megatron
 
-    out = tmp_path_factory.mktemp("base") / "base"
+    out = module_tmp("base") / "base"
     hf_to_megatron("default", out, tp=2)
     return out
 
 
 @pytest.fixture(scope="module")
-def served(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_factory):
+def served(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     """EAGLE3 exports (TP=2 checkpoints -> export_draft) and one vLLM process serving greedy
     and every draft on the same prompts."""
     from checkpoint_tools import export_draft
@@ -87,7 +87,7 @@ def served(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_factory):
 
     import live_draft
 
-    root = tmp_path_factory.mktemp("engines")
+    root = module_tmp("engines")
     live, exports = live_draft.fit(default_hf_dir, FIT_DATA, DRAFT_VOCAB), {}
     for layers in (1, 2):
         hf = live_draft.write(live, default_hf_dir, root / f"live{layers}", layers)
@@ -253,7 +253,7 @@ def chain_accepted(continuations, drafts_after, k=K, length=NEW_TOKENS):
 
 
 @pytest.fixture(scope="module")
-def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_factory):
+def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     """Medusa heads converted at TP=2 and exported (with their biases set so every head drafts
     one frequent token, and a copy without medusa_fc_bias), and a depth-pruned SmolLM2
     exported as an HF Llama, served by vLLM beside its greedy in one process."""
@@ -262,7 +262,7 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, tmp_path_fac
     from checkpoint_tools import export_draft, megatron_to_hf
     from megatron_specdec.spec_conversion import convert_checkpoint
 
-    root = tmp_path_factory.mktemp("heads")
+    root = module_tmp("heads")
     convert_checkpoint(base_tp2, root / "medusa_tp2", "medusa",
                        {"medusa_num_heads": MEDUSA_HEADS, "medusa_num_layers": 1}, tp=2)
     export_draft.main(["--ckpt", str(root / "medusa_tp2"), "--out", str(root / "medusa")])

@@ -90,18 +90,18 @@ def make_checkpoints(root, names, layouts):
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
+def ckpts(module_tmp):
+    root = module_tmp("spec")
     distributed.spawn(make_checkpoints, 2, str(root), list(DRAFTS), LAYOUTS)
     return root
 
 
 @pytest.fixture(scope="module")
-def exported(ckpts, tmp_path_factory):
+def exported(ckpts, module_tmp):
     from megatron_specdec.export.eagle3_hf import export_eagle3
     from megatron_specdec.export.medusa_hf import export_medusa
 
-    root = tmp_path_factory.mktemp("hf")
+    root = module_tmp("hf")
     out = {}
     for name, (algo, _) in DRAFTS.items():
         export = export_medusa if algo == "medusa" else export_eagle3

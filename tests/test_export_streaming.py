@@ -18,13 +18,13 @@ HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_va
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def ckpt(module_tmp):
     """A small random Llama imported in this process (draft exports from TP=2 and PP=2
     checkpoints: test_export_eagle3)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("export")
+    root = module_tmp("export")
     LlamaForCausalLM(LlamaConfig(**HF)).save_pretrained(root / "hf")
     distributed.initialize(1, 1)
     try:

@@ -14,18 +14,18 @@ from test_export_eagle3 import make_checkpoints, tiny_hf_config
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
+def ckpts(module_tmp):
+    root = module_tmp("spec")
     distributed.spawn(make_checkpoints, 2, str(root), ["eagle3", "eagle3_2layers"],
                       [("tp2", 2, 1), ("tp1", 1, 1)])
     return root
 
 
 @pytest.fixture(scope="module")
-def draft_dir(ckpts, tmp_path_factory):
+def draft_dir(ckpts, module_tmp):
     from megatron_specdec.export.eagle3_hf import export_eagle3
 
-    return export_eagle3(ckpts / "eagle3_tp1", tmp_path_factory.mktemp("hf") / "eagle3")
+    return export_eagle3(ckpts / "eagle3_tp1", module_tmp("hf") / "eagle3")
 
 
 def _same_checkpoint(a, b):

@@ -17,7 +17,7 @@ PROMPT = torch.tensor([[5, 17, 42, 7, 99, 3]])
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def sources(module_tmp):
     """{form: path}: a random HF Llama, its base checkpoint and a speculative one (Medusa)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,7 +25,7 @@ def sources(tmp_path_factory):
     from megatron_specdec.spec_conversion import convert_checkpoint
 
     torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("forms")
+    root = module_tmp("forms")
     LlamaForCausalLM(LlamaConfig(**HF)).save_pretrained(root / "hf")
     distributed.initialize(1, 1)
     hf_to_megatron(root / "hf", root / "base")

@@ -18,13 +18,13 @@ HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_va
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(module_tmp):
     """A small random Llama saved sharded (several files and an index), in bfloat16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**HF)).to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("hf") / "llama"
+    out = module_tmp("hf") / "llama"
     model.save_pretrained(out, max_shard_size="60KB")
     assert (out / files.HF_INDEX).is_file()
     return out

@@ -16,9 +16,9 @@ BAD_ROWS = [(3, "{not json"), (6, '{"id": "x", "text": "no conversations"}')]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_tmp):
     """A 4-step run (checkpoints at 2 and 4) on data with two bad rows."""
-    root = tmp_path_factory.mktemp("train_ckpt")
+    root = module_tmp("train_ckpt")
     model = ts.make_tiny_model(root / "model")
     data = ts.write_conversations(root / "conv.jsonl", bad_lines=BAD_ROWS)
     out = root / "run"

@@ -13,8 +13,8 @@ from megatron_specdec.training.recipe import RecipeError, load_recipe
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("exit_duration")
+def setup(module_tmp):
+    root = module_tmp("exit_duration")
     return root, ts.make_tiny_model(root / "model"), ts.write_conversations(root / "conv.jsonl")
 
 

@@ -55,8 +55,8 @@ def _optimizer_worker(result_file):
 
 
 @pytest.fixture(scope="module")
-def optimizer_run(tmp_path_factory):
-    result = tmp_path_factory.mktemp("precision") / "optimizer.pt"
+def optimizer_run(module_tmp):
+    result = module_tmp("precision") / "optimizer.pt"
     distributed.spawn(_optimizer_worker, 1, str(result))
     return torch.load(result)
 
@@ -96,8 +96,8 @@ TRACK = 0.1
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("precision_runs")
+def runs(module_tmp):
+    root = module_tmp("precision_runs")
     model = ts.make_tiny_model(root / "model")
     data = ts.write_conversations(root / "conv.jsonl")
 

@@ -14,8 +14,8 @@ REQUIRED = ["output_dir=/tmp/x", "model.path=default", "data.train=[a.jsonl]",
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recompute")
+def setup(module_tmp):
+    root = module_tmp("recompute")
     distributed.initialize(1, 1)
     yield ts.make_tiny_model(root / "model"), ts.write_conversations(root / "conv.jsonl"), root
     distributed.destroy()  # leave no process group behind for other test modules

@@ -19,8 +19,8 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_runs")
+def setup(module_tmp):
+    root = module_tmp("train_runs")
     model = ts.make_tiny_model(root / "model")
     data = ts.write_conversations(root / "conv.jsonl")
     return root, model, data
