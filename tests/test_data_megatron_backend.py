@@ -1,6 +1,6 @@
 """The Megatron backend adapter on the embedded SmolLM2: its regenerated answer matches
 Hugging Face greedy decoding of the same chat-templated prompt; with `dtype="bfloat16"` its
-weights are bf16 and it answers a short question as float32 does."""
+weights are bf16 and its first answer token to a short question is float32's."""
 
 import json
 
@@ -63,8 +63,10 @@ def test_bfloat16_backend_holds_bfloat16_weights_and_answers_alike(tmp_path):
         try:
             assert {p.dtype for p in backend.model.parameters()} == {dtype_from_name(dtype)}
             regenerate(rows, backend, backend.tokenizer, tmp_path / f"{dtype}.jsonl",
-                       max_new_tokens=4, progress=False)
+                       max_new_tokens=1, progress=False)
         finally:
             destroy()
         answers[dtype] = json.loads((tmp_path / f"{dtype}.jsonl").read_text())["conversations"]
+    # One token: past it greedy bf16 and fp32 may part at a near-tie, and where depends on the
+    # CPU's bf16 kernels (on an Intel AMX CPU the second token here is "," in bf16, "." in fp32).
     assert answers["bfloat16"] == answers["float32"]
