@@ -19,5 +19,8 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2_with_same_loss(default_hf_dir, chat
         distributed.spawn(workers.checkpoint_loss, tp * pp, tp, pp, str(ckpt), tokens, str(out))
         losses[(tp, pp)] = torch.load(out).item()
     assert 0.5 < losses[(2, 1)] < 20, losses  # a real language-model loss, not a degenerate one
+    # TP=2 sums the row-parallel matmuls in another order, so fp32 rounding differs across
+    # 30 layers: CI measured 1.0e-5 absolute (1.6e-6 relative). A wrongly loaded shard moves
+    # the loss by far more than the 1e-5 relative bound.
     for layout, loss in losses.items():
-        assert abs(loss - losses[(2, 1)]) < 1e-5, losses
+        assert abs(loss - losses[(2, 1)]) <= 1e-5 * losses[(2, 1)], losses
