@@ -233,7 +233,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="speculative checkpoint with an EAGLE3 draft")
-    p.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "mt_bench.jsonl"))
+    p.add_argument("--prompts", default=str(REPO / "data" / "sources" / "mt_bench.jsonl"))
     p.add_argument("--num-prompts", type=int, default=16, help="spread over the file")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=7)

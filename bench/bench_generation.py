@@ -29,7 +29,7 @@ vs transformers, left-padded batches), and sampling at --temperature (transforme
 plain, project speculative with the draft and with n-gram). Table on stdout, JSON in
 bench/results/generation.json (plot beside it).
 
-    python bench/bench_generation.py --data ../shared/data/mt_bench.jsonl [--num-prompts 16]
+    python bench/bench_generation.py --data data/sources/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
         [--temperature 0.7] [--drafter draft-model --draft-model DRAFT_CKPT]
@@ -184,7 +184,7 @@ def main():
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True,
-                   help="MT-bench jsonl (e.g. ../shared/data/mt_bench.jsonl)")
+                   help="MT-bench jsonl (e.g. data/sources/mt_bench.jsonl)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--every", type=int, default=5,
                    help="take every N-th question (5 over MT-bench's 80: 2 per category)")

@@ -75,7 +75,7 @@ def main():
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=64, help="GSM8K conversations to train on")
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--data-dir", default=str(REPO / "data" / "sources"))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    help="model.dtype of each run (bfloat16: fp32 master weights)")
     p.add_argument("--configs", nargs="+", default=[f"{m}:{t}" for m, t in CONFIGS],

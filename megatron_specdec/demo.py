@@ -44,8 +44,8 @@ def _run(title: str, args: list, timings: dict):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="runs/demo")
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"),
-                   help="prompt sources and mt_bench.jsonl (default: ../shared/data)")
+    p.add_argument("--data-dir", default=str(REPO / "data" / "sources"),
+                   help="prompt sources and mt_bench.jsonl (default: data/sources)")
     p.add_argument("--regen-prompts", type=int, default=16, help="prompts answered in step 2")
     p.add_argument("--train-steps", type=int, default=30)
     p.add_argument("--eval-prompts", type=int, default=4, help="MT-bench prompts in step 5")

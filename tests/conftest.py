@@ -10,7 +10,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO.parent / "shared" / "data"))
+# The prompt sources ship in the repository; SPECDEC_SHARED_DATA points the tests at another copy.
+SOURCES_DIR = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO / "data" / "sources"))
 
 warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
 
@@ -43,9 +44,11 @@ def module_tmp(tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def shared_data():
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"../shared/data not found at {SHARED_DATA}: CI runs with ../shared beside the repo")
-    return SHARED_DATA
+    """The prompt sources folder (data/sources unless SPECDEC_SHARED_DATA names another)."""
+    if not SOURCES_DIR.is_dir():
+        pytest.fail(f"prompt sources folder {SOURCES_DIR} does not exist: expected data/sources "
+                    "of the repository or the folder SPECDEC_SHARED_DATA names")
+    return SOURCES_DIR
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from megatron_specdec.data import DraftVocab
 from megatron_specdec.data.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO / ".." / "shared" / "data"
+DATA_DIR = REPO / "data" / "sources"
 
 
 def test_help_lists_the_commands():
@@ -108,7 +108,6 @@ def test_calibrate_error_names_the_empty_file(tmp_path, caplog):
     assert "no usable conversation rows" in caplog.text and str(empty) in caplog.text
 
 
-@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}")
 def test_sources_and_regenerate_errors(tmp_path, caplog, capsys):
     assert main(["sources", "--data-dir", str(DATA_DIR)]) == 0
     listing = capsys.readouterr().out

@@ -15,7 +15,7 @@ from megatron_specdec.data import load_tokenizer, read_conversations
 from megatron_specdec.data.__main__ import main
 from megatron_specdec.data.openai_backend import BackendError, OpenAIBackend
 
-DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sources"
 EOS = 2
 
 
@@ -173,7 +173,6 @@ def test_unreachable_server_fails_after_retries(tokenizer):
         backend.generate([[1]], 4)
 
 
-@pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}")
 def test_cli_regenerate_through_the_server_then_calibrate(stub, tmp_path):
     server = stub()
     args = [

@@ -7,14 +7,10 @@ import pytest
 from megatron_specdec.data import DataError, PRESETS, read_source, read_sources
 from megatron_specdec.data.sources import SourceSpec, parse_source
 
-DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-needs_data = pytest.mark.skipif(
-    not DATA_DIR.is_dir(), reason=f"shared data not found at {DATA_DIR}"
-)
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sources"
 
 
-@needs_data
-def test_presets_read_the_shared_files():
+def test_presets_read_the_shipped_files():
     counts = {name: len(read_source(name, DATA_DIR, on_error="fail")) for name in PRESETS}
     assert counts == {
         "gsm8k": 7473,
@@ -24,7 +20,6 @@ def test_presets_read_the_shared_files():
     }
 
 
-@needs_data
 def test_preset_prompts_follow_the_field_mapping():
     raw = [json.loads(line) for line in open(DATA_DIR / "self_instruct_seed_tasks.jsonl")]
     rows = read_source("self_instruct_seed", DATA_DIR)

@@ -1,6 +1,6 @@
 """Synthetic user prompts written by the target itself (Magpie-style self-instruction).
 
-The shipped prompt sets hold few general-domain prompts (../shared/data: 427 Self-Instruct
+The shipped prompt sets hold few general-domain prompts (data/sources: 427 Self-Instruct
 against 7,473 GSM8K), so a draft trained on them is tuned to arithmetic. An instruct model
 given only the chat template up to the start of a user turn writes a plausible user request;
 sampling that prefix many times yields prompts in the target's own domain of conversation,
