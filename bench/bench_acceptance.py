@@ -129,10 +129,12 @@ def main():
                         help="one device only (default: the CPU, and the GPU when there is one)")
     parser.add_argument("--only", default=None,
                         help='one case, e.g. "stochastic_chain B=64 K=8" (for profilers; writes no JSON)')
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="where acceptance_<device>.json goes (default bench/results)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out_dir = args.out_dir
     os.makedirs(out_dir, exist_ok=True)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     if args.device:
