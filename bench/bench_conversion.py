@@ -60,10 +60,10 @@ def convert(codes, tmp: Path, model: str, hf_dir, tp: int, dtype: str):
     """Import with the first of `codes` [(label, checkout)], then export the checkpoint with
     each of them."""
     ckpt = tmp / f"{model}_tp{tp}"
-    runs = [(codes[0], "hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--hf_path",
+    runs = [(codes[0], "hf_to_megatron", ["checkpoint_tools/hf_to_megatron.py", "--model",
                                           hf_dir, "--out", ckpt, "--tp", str(tp),
                                           "--dtype", dtype])]
-    runs += [(code, "megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--ckpt", ckpt,
+    runs += [(code, "megatron_to_hf", ["checkpoint_tools/megatron_to_hf.py", "--model", ckpt,
                                        "--out", tmp / f"{model}_hf{tp}_{i}"])
              for i, code in enumerate(codes)]
     return [run(code, model, direction, tp, dtype, cmd) for code, direction, cmd in runs]
@@ -100,7 +100,7 @@ def main():
         tmp = Path(tmp)
         if args.draft:
             rows += [run(code, args.draft.name, "export_draft", 0, "as saved",
-                         ["checkpoint_tools/export_draft.py", "--ckpt", args.draft.resolve(),
+                         ["checkpoint_tools/export_draft.py", "--model", args.draft.resolve(),
                           "--out", tmp / f"draft_{i}"]) for i, code in enumerate(codes)]
         for model in args.models:
             if model == "smollm2":

@@ -257,7 +257,7 @@ def project_train(args, work: Path) -> dict:
           f"training.steps={args.project_steps}", "evaluation.interval=0",
           "logging.progress_bar=false"], log)
     train_seconds = time.time() - start
-    _run(["checkpoint_tools/export_draft.py", "--ckpt", out / "final", "--out", out / "export",
+    _run(["checkpoint_tools/export_draft.py", "--model", out / "final", "--out", out / "export",
           "--dtype", "bfloat16", "--overwrite"], log)
     summary = json.loads((out / "summary.json").read_text())
     recipe = _recipe()
@@ -280,14 +280,14 @@ def evaluate(args, work: Path, side: str, draft: Path) -> dict:
     base = work / "base"
     log = work / "eval.log"
     if not (work / "base.done").is_file():
-        _run(["checkpoint_tools/hf_to_megatron.py", "--hf_path", "default", "--out", base,
+        _run(["checkpoint_tools/hf_to_megatron.py", "--model", "default", "--out", base,
               "--dtype", "bfloat16", "--overwrite"], log)
         (work / "base.done").touch()
     ckpt, out = work / "eval" / side / "ckpt", work / "eval" / side
-    _run(["checkpoint_tools/import_draft.py", "--draft", draft, "--model_path", base,
-          "--export_dir", ckpt, "--overwrite"], log)
+    _run(["checkpoint_tools/import_draft.py", "--draft", draft, "--model", base,
+          "--out", ckpt, "--overwrite"], log)
     cmd = ["-m", "megatron_specdec.decoding.validate", "--model", ckpt, "--data", args.prompts,
-           "--out-dir", out, "--max-new-tokens", args.max_new_tokens, "--num-draft-tokens",
+           "--out", out, "--max-new-tokens", args.max_new_tokens, "--num-draft-tokens",
            args.num_draft_tokens, "--draft-policy", "fixed", "--no-greedy"]
     if args.num_prompts:
         cmd += ["--num-prompts", args.num_prompts]

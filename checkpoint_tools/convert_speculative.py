@@ -1,8 +1,8 @@
 """Add an EAGLE3 or Medusa draft module to a Megatron base checkpoint.
 
-    python checkpoint_tools/convert_speculative.py --model_path runs/ckpt/smollm2 \\
-        --specdec_algo eagle3 --export_dir runs/ckpt/smollm2_eagle3 \\
-        --draft_vocab_size 8192 --calibration_data data/regenerated.jsonl --tp 2
+    python checkpoint_tools/convert_speculative.py --model runs/ckpt/smollm2 \\
+        --algo eagle3 --out runs/ckpt/smollm2_eagle3 \\
+        --draft-vocab-size 8192 --calibration-data data/regenerated.jsonl --tp 2
 
 Writes a new dist checkpoint holding the base (frozen when trained) and the initialised draft
 module (EAGLE3: fc, draft layers, norm, lm_head over the draft vocabulary, d2t/t2d from the
@@ -16,8 +16,13 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 from megatron_specdec.spec_config import ALGOS
+
+RENAMED = {"--model_path": "--model", "--specdec_algo": "--algo", "--export_dir": "--out",
+           "--draft_vocab_size": "--draft-vocab-size", "--calibration_data": "--calibration-data",
+           "--num_layers": "--num-layers", "--aux_layers": "--aux-layers",
+           "--ttt_steps": "--ttt-steps", "--medusa_num_heads": "--medusa-num-heads"}
 
 
 def _layer_ids(text):
@@ -27,32 +32,32 @@ def _layer_ids(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids, got {text!r}")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_path", required=True, help="base Megatron checkpoint directory")
-    p.add_argument("--specdec_algo", required=True, help=f"one of: {', '.join(ALGOS)}")
-    p.add_argument("--export_dir", required=True, help="speculative checkpoint directory to write")
-    p.add_argument("--draft_vocab_size", type=int,
+def build_parser():
+    p = ArgumentParser(description=__doc__, renamed=RENAMED)
+    p.add_argument("--model", required=True, help="base Megatron checkpoint directory")
+    p.add_argument("--algo", required=True, help=f"one of: {', '.join(ALGOS)}")
+    p.add_argument("--out", required=True, help="speculative checkpoint directory to write")
+    p.add_argument("--draft-vocab-size", type=int,
                    help="EAGLE3 draft vocabulary size (default: the full vocabulary); smaller "
-                        "sizes need --calibration_data")
-    p.add_argument("--calibration_data", nargs="+",
+                        "sizes need --calibration-data")
+    p.add_argument("--calibration-data", nargs="+",
                    help="conversation jsonl file(s) whose token frequencies choose the draft vocabulary")
-    p.add_argument("--num_layers", type=int,
+    p.add_argument("--num-layers", type=int,
                    help="EAGLE3 draft decoder layers / Medusa residual blocks per head (default 1)")
-    p.add_argument("--aux_layers", type=_layer_ids,
+    p.add_argument("--aux-layers", type=_layer_ids,
                    help="EAGLE3 captured base layers, 0-based output-of-layer ids "
                         "(default 1,N//2-1,N-4)")
-    p.add_argument("--ttt_steps", type=int, help="EAGLE3 training-time-test steps (default 7)")
-    p.add_argument("--medusa_num_heads", type=int, help="Medusa heads (default 4)")
+    p.add_argument("--ttt-steps", type=int, help="EAGLE3 training-time-test steps (default 7)")
+    p.add_argument("--medusa-num-heads", type=int, help="Medusa heads (default 4)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to run at (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to run at (default 1)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --export_dir")
-    return p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return p
 
 
 def draft_config(args) -> dict:
     """The draft config dict (spec_config keys) the flags describe; unset flags keep defaults."""
-    eagle = args.specdec_algo.lower() in ("eagle3", "eagle")
+    eagle = args.algo.lower() in ("eagle3", "eagle")
     flags = {
         ("eagle_num_layers" if eagle else "medusa_num_layers"): args.num_layers,
         "draft_vocab_size": args.draft_vocab_size,
@@ -64,17 +69,22 @@ def draft_config(args) -> dict:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from megatron_specdec.spec_conversion import convert_checkpoint
 
     start = time.time()
-    cfg = convert_checkpoint(args.model_path, args.export_dir, args.specdec_algo,
+    cfg = convert_checkpoint(args.model, args.out, args.algo,
                              draft_config(args), args.calibration_data, tp=args.tp, pp=args.pp,
                              overwrite=args.overwrite)
     logging.getLogger("convert_speculative").info(
-        "wrote %s: %s draft (TP=%d, PP=%d) in %.1f s", args.export_dir, cfg.algo, args.tp,
+        "wrote %s: %s draft (TP=%d, PP=%d) in %.1f s", args.out, cfg.algo, args.tp,
         args.pp, time.time() - start)
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

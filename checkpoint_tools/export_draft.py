@@ -2,12 +2,12 @@
 Face layout TensorRT-LLM, vLLM and SGLang load.
 
     # the EAGLE3 draft alone (LlamaForCausalLMEagle3: config.json + model.safetensors)
-    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3
+    python checkpoint_tools/export_draft.py --model runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3
     # base model and draft side by side: OUT/base and OUT/eagle3 (or OUT/medusa)
-    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 \\
+    python checkpoint_tools/export_draft.py --model runs/ckpt/smollm2_eagle3 \\
         --out runs/hf/full --full
     # then serve it in vLLM (the env `make vllm-env` creates): greedy-identical, draft alive
-    python checkpoint_tools/export_draft.py --ckpt runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3 \\
+    python checkpoint_tools/export_draft.py --model runs/ckpt/smollm2_eagle3 --out runs/hf/eagle3 \\
         --verify-with vllm
 
 Medusa heads are written in the FasterDecoding layout (config.json +
@@ -15,18 +15,16 @@ medusa_lm_head.safetensors). The output is written to a temporary directory besi
 renamed into place when complete. See docs/export.md for what each engine reads.
 """
 
-import argparse
 import logging
 import sys
 import time
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True,
+def build_parser():
+    p = ArgumentParser(description=__doc__, renamed={"--ckpt": "--model"})
+    p.add_argument("--model", required=True,
                    help="speculative checkpoint directory, or a trainer's checkpoint")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--full", action="store_true",
@@ -46,17 +44,17 @@ def parse_args(argv=None):
                         "--full, else the checkpoint's base written to a temporary directory)")
     p.add_argument("--min-acceptance-length", type=float,
                    help="acceptance-length floor of --verify-with (default 1.02; 1.0 = dead)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from megatron_specdec import checkpoint
     from megatron_specdec.export import draft_source, eagle3_hf, full_export, medusa_hf
 
-    algo = draft_source.draft_meta(args.ckpt).get("draft", {}).get("algo", "eagle3")
+    algo = draft_source.draft_meta(args.model).get("draft", {}).get("algo", "eagle3")
     if args.verify_with and algo != "eagle3":
-        raise ValueError(f"--verify-with checks EAGLE3 exports; {args.ckpt} holds a {algo} "
+        raise ValueError(f"--verify-with checks EAGLE3 exports; {args.model} holds a {algo} "
                          f"draft (vLLM 0.32's Medusa support is described in the README)")
     if (args.verify_base or args.min_acceptance_length) and not args.verify_with:
         raise ValueError("--verify-base and --min-acceptance-length need --verify-with vllm")
@@ -65,15 +63,15 @@ def main(argv=None):
         if args.dtype:
             raise ValueError("--dtype applies to a draft-only export; "
                              "--full keeps the checkpoint's dtype")
-        full_export.export_full(args.ckpt, args.out, overwrite=args.overwrite)
+        full_export.export_full(args.model, args.out, overwrite=args.overwrite)
     else:
         if algo == "medusa":
             if args.max_shard_mb:
                 raise ValueError("--max-shard-mb applies to EAGLE3 exports")
-            medusa_hf.export_medusa(args.ckpt, args.out, dtype=args.dtype,
+            medusa_hf.export_medusa(args.model, args.out, dtype=args.dtype,
                                     overwrite=args.overwrite)
         else:
-            eagle3_hf.export_eagle3(args.ckpt, args.out, dtype=args.dtype,
+            eagle3_hf.export_eagle3(args.model, args.out, dtype=args.dtype,
                                     overwrite=args.overwrite, max_shard_mb=args.max_shard_mb)
     logging.getLogger("export_draft").info("wrote %s in %.1f s", args.out, time.time() - start)
     if args.verify_with:
@@ -96,9 +94,14 @@ def verify(args):
         base = args.verify_base or (out / "base" if args.full else None)
         if base is None:
             base = Path(tmp) / "base"
-            megatron_to_hf(args.ckpt, base)
+            megatron_to_hf(args.model, base)
         verify_export.verify_eagle3(draft, base, min_acceptance_length=floor)
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

@@ -2,39 +2,44 @@
 Hugging Face directory (config.json, model.safetensors, tokenizer) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    python checkpoint_tools/megatron_to_hf.py --ckpt runs/ckpt/smollm2_tp2 --out runs/hf/smollm2
+    python checkpoint_tools/megatron_to_hf.py --model runs/ckpt/smollm2_tp2 --out runs/hf/smollm2
 """
 
-import argparse
 import logging
 import sys
 import time
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="megatron_specdec checkpoint directory")
+def build_parser():
+    p = ArgumentParser(description=__doc__, renamed={"--ckpt": "--model"})
+    p.add_argument("--model", required=True,
+                   help="megatron_specdec checkpoint directory (base or speculative)")
     p.add_argument("--out", required=True, help="HF directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="split the weights into files of at most this many MiB, with an index "
                         "(default 5120, as transformers does)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from megatron_specdec.hf_conversion import DEFAULT_MAX_SHARD_MB, megatron_to_hf
 
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise ValueError(f"--max-shard-mb {args.max_shard_mb}: expected a positive size in MiB")
     start = time.time()
-    out = megatron_to_hf(args.ckpt, args.out, overwrite=args.overwrite,
+    out = megatron_to_hf(args.model, args.out, overwrite=args.overwrite,
                          max_shard_mb=args.max_shard_mb or DEFAULT_MAX_SHARD_MB)
     logging.getLogger("megatron_to_hf").info("wrote %s in %.1f s", out, time.time() - start)
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

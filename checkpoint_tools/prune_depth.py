@@ -10,19 +10,17 @@ megatron_specdec/depth_pruning.py) and write a normal checkpoint (tokenizer incl
 SmolLM2). One process (TP=1, PP=1); the output loads at any layout.
 """
 
-import argparse
 import json
 import logging
 import sys
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 
 log = logging.getLogger("prune_depth")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True, help="checkpoint, HF directory or 'default'")
     p.add_argument("--num-layers", type=int, required=True, help="layers to keep")
     p.add_argument("--data", nargs="+", required=True,
@@ -31,11 +29,11 @@ def parse_args(argv=None):
                    help="tokens of --data to measure on (default 512)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from megatron_specdec import checkpoint, depth_pruning, distributed
     from megatron_specdec.data import load_tokenizer
     from megatron_specdec.hf_conversion import base_meta
@@ -62,5 +60,10 @@ def main(argv=None):
     log.info("wrote %s: %d of %d layers", args.out, len(keep), config.num_hidden_layers)
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

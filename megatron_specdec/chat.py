@@ -6,22 +6,21 @@
 --model takes a megatron_specdec checkpoint, an HF directory, or 'default'.
 """
 
-import argparse
 import sys
 import time
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    p = ArgumentParser(description=__doc__, renamed={"--max_new_tokens": "--max-new-tokens"})
     p.add_argument("--model", default="default", help="checkpoint, HF directory or 'default'")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument("--prompt", action="append", required=True,
                    help="a user message (repeat for a batch)")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    return p.parse_args(argv)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    return p
 
 
 def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
@@ -48,7 +47,7 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from megatron_specdec.distributed import is_rank0
 
     answers, speed = chat(args.model, args.prompt, args.max_new_tokens, args.tp, args.pp)
@@ -58,5 +57,10 @@ def main(argv=None):
         print(f"\n[{speed:.1f} tokens/s, TP={args.tp} PP={args.pp}]")
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

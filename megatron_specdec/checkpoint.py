@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_specdec import pickle_guard
+from megatron_specdec.weights import files
 
 META_FILE = "specdec_checkpoint.json"
 TOKENIZER_DIR = "tokenizer"
@@ -212,9 +213,10 @@ def read_meta(path) -> dict:
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: dist_checkpointing metadata.json is missing")
     try:
-        pickle_guard.dist_metadata(path)
+        metadata = pickle_guard.dist_metadata(path)
     except pickle_guard.UnsafeCheckpoint as e:
         raise CheckpointError(str(e)) from None
+    files.check_stored_files(path, metadata)
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
@@ -311,8 +313,9 @@ def load_sharded(sharded_state_dict, path, validate_access_integrity: bool = Tru
     from megatron.core import dist_checkpointing
 
     read_meta(path)
-    return dist_checkpointing.load(tensors_only(sharded_state_dict), str(path),
-                                   validate_access_integrity=validate_access_integrity)
+    with files.reading_checkpoint(path):
+        return dist_checkpointing.load(tensors_only(sharded_state_dict), str(path),
+                                       validate_access_integrity=validate_access_integrity)
 
 
 def load_checkpoint(model, path):
@@ -335,7 +338,8 @@ def load_plain_tensors(path, prefix: str = "") -> dict:
     wanted = {k: v for k, v in dist_checkpointing.load_tensors_metadata(str(path)).items()
               if k.startswith(prefix)}
     # Every rank reads whole tensors, so shards overlap: skip the access-integrity check.
-    loaded = dist_checkpointing.load(wanted, str(path), validate_access_integrity=False)
+    with files.reading_checkpoint(path):
+        loaded = dist_checkpointing.load(wanted, str(path), validate_access_integrity=False)
     return {k[len(prefix):]: v for k, v in loaded.items() if torch.is_tensor(v)}
 
 

@@ -29,6 +29,7 @@ def read_hf_config(hf_dir):
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}/config.json not found: not a Hugging Face model directory")
+    files.read_json(hf_dir / "config.json")  # a file that does not parse is named, as such
     config = AutoConfig.from_pretrained(hf_dir)
     families.family_of(config)  # refuse unsupported architectures before reading weights
     return config

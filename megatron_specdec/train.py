@@ -9,26 +9,24 @@ it runs as one process (tp*pp must then be 1). Outputs under `output_dir`: check
 final/ (speculative checkpoint), train_log.jsonl, tensorboard/, summary.json, recipe.yaml.
 """
 
-import argparse
 import json
 import sys
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--config", help="recipe YAML file")
     p.add_argument("overrides", nargs="*", help="key=value overrides (e.g. optimizer.lr=3e-4)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None):
     from megatron_specdec import distributed
     from megatron_specdec.training import load_recipe, train
 
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
     try:
         summary = train(recipe)
@@ -38,5 +36,10 @@ def main(argv=None):
         distributed.destroy()
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

@@ -26,7 +26,7 @@ def test_unsupported_architecture_is_named_with_supported_list(tmp_path, capsys)
 
     GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=2, n_embd=64,
                n_head=4).save_pretrained(tmp_path / "gpt2")
-    rc, err = _run_cli(hf_to_megatron, ["--hf_path", str(tmp_path / "gpt2"), "--out",
+    rc, err = _run_cli(hf_to_megatron, ["--model", str(tmp_path / "gpt2"), "--out",
                                         str(tmp_path / "out")], capsys)
     assert rc == 2
     assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err and "Qwen3ForCausalLM" in err
@@ -52,7 +52,7 @@ def _edit_weights(hf_dir, edit):
 
 def test_missing_tensor_is_named(small_hf_dir, tmp_path, capsys):
     _edit_weights(small_hf_dir, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
-    rc, err = _run_cli(hf_to_megatron, ["--hf_path", str(small_hf_dir), "--out",
+    rc, err = _run_cli(hf_to_megatron, ["--model", str(small_hf_dir), "--out",
                                         str(tmp_path / "out")], capsys)
     assert rc == 2
     assert "model.layers.1.mlp.up_proj.weight" in err and "missing" in err
@@ -62,7 +62,7 @@ def test_missing_tensor_is_named(small_hf_dir, tmp_path, capsys):
 def test_wrongly_shaped_tensor_is_named_with_expected_and_found(small_hf_dir, tmp_path, capsys):
     _edit_weights(small_hf_dir, lambda s: s.update(
         {"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 60)}))
-    rc, err = _run_cli(hf_to_megatron, ["--hf_path", str(small_hf_dir), "--out",
+    rc, err = _run_cli(hf_to_megatron, ["--model", str(small_hf_dir), "--out",
                                         str(tmp_path / "out")], capsys)
     assert rc == 2
     assert "model.layers.0.self_attn.o_proj.weight" in err
@@ -73,12 +73,12 @@ def test_non_empty_output_is_not_overwritten_without_flag(small_hf_dir, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    rc, err = _run_cli(hf_to_megatron, ["--hf_path", str(small_hf_dir), "--out", str(out)], capsys)
+    rc, err = _run_cli(hf_to_megatron, ["--model", str(small_hf_dir), "--out", str(out)], capsys)
     assert rc == 2 and "--overwrite" in err
-    rc, err = _run_cli(megatron_to_hf, ["--ckpt", str(out), "--out", str(out)], capsys)
+    rc, err = _run_cli(megatron_to_hf, ["--model", str(out), "--out", str(out)], capsys)
     assert rc == 2 and "--overwrite" in err
     assert (out / "keep.txt").read_text() == "precious"
-    rc, _ = _run_cli(hf_to_megatron, ["--hf_path", str(small_hf_dir), "--out", str(out),
+    rc, _ = _run_cli(hf_to_megatron, ["--model", str(small_hf_dir), "--out", str(out),
                                       "--overwrite"], capsys)
     assert rc == 0 and not (out / "keep.txt").exists()
     checkpoint.read_meta(out)
@@ -90,7 +90,7 @@ def test_interrupted_save_is_never_loaded(default_hf_dir, tmp_path):
     target = tmp_path / "ckpt"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "checkpoint_tools" / "hf_to_megatron.py"),
-         "--hf_path", str(default_hf_dir), "--out", str(target)],
+         "--model", str(default_hf_dir), "--out", str(target)],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.time() + 600  # breaks as soon as the save starts; a loaded machine is slow

@@ -85,9 +85,9 @@ def _train_worker(ckpt, out_file):
 @pytest.mark.slow
 def test_eagle3_conversion_loads_and_trains(base_ckpt, calibration, tmp_path, capsys):
     out = tmp_path / "eagle3"
-    code, err = _cli(["--model_path", base_ckpt, "--specdec_algo", "eagle3", "--export_dir", out,
-                      "--draft_vocab_size", 256, "--calibration_data", calibration,
-                      "--ttt_steps", 2, "--pp", 2], capsys)
+    code, err = _cli(["--model", base_ckpt, "--algo", "eagle3", "--out", out,
+                      "--draft-vocab-size", 256, "--calibration-data", calibration,
+                      "--ttt-steps", 2, "--pp", 2], capsys)
     assert code == 0, err
     result_file = tmp_path / "result.pt"
     distributed.spawn(_train_worker, 1, str(out), str(result_file))
@@ -110,14 +110,14 @@ def test_eagle3_conversion_loads_and_trains(base_ckpt, calibration, tmp_path, ca
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--specdec_algo", "eagle4"], "valid: eagle3, medusa"),
-    (["--specdec_algo", "eagle3", "--aux_layers", "1,14,30"], "aux layer id 30 is out of range"),
-    (["--specdec_algo", "eagle3", "--draft_vocab_size", 50000], "draft_vocab_size=50000 is out of range"),
-    (["--specdec_algo", "medusa", "--draft_vocab_size", 100], "unknown medusa config key(s) 'draft_vocab_size'"),
+    (["--algo", "eagle4"], "valid: eagle3, medusa"),
+    (["--algo", "eagle3", "--aux-layers", "1,14,30"], "aux layer id 30 is out of range"),
+    (["--algo", "eagle3", "--draft-vocab-size", 50000], "draft_vocab_size=50000 is out of range"),
+    (["--algo", "medusa", "--draft-vocab-size", 100], "unknown medusa config key(s) 'draft_vocab_size'"),
 ], ids=["unknown_algo", "aux_out_of_range", "draft_vocab_too_big", "key_for_other_algo"])
 def test_bad_input_is_refused_and_writes_nothing(base_ckpt, tmp_path, capsys, argv, message):
     out = tmp_path / "out"
-    code, err = _cli(["--model_path", base_ckpt, "--export_dir", out] + argv, capsys)
+    code, err = _cli(["--model", base_ckpt, "--out", out] + argv, capsys)
     assert code == 2 and message in err, err
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
@@ -126,8 +126,8 @@ def test_calibration_without_usable_rows(base_ckpt, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\nnot json\n')
     out = tmp_path / "out"
-    code, err = _cli(["--model_path", base_ckpt, "--specdec_algo", "eagle3", "--export_dir", out,
-                      "--draft_vocab_size", 256, "--calibration_data", bad], capsys)
+    code, err = _cli(["--model", base_ckpt, "--algo", "eagle3", "--out", out,
+                      "--draft-vocab-size", 256, "--calibration-data", bad], capsys)
     assert code == 2 and "no usable conversation rows" in err, err
     assert not out.exists()
 
@@ -137,4 +137,4 @@ def test_help_lists_algorithms(capsys):
         convert_speculative.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert "--specdec_algo" in text and "eagle3, medusa" in text and "--calibration_data" in text
+    assert "--algo" in text and "eagle3, medusa" in text and "--calibration-data" in text

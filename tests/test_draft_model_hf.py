@@ -19,7 +19,7 @@ def test_transformers_assisted_generation_with_the_exported_draft(tmp_path):
     pruned, draft_dir = tmp_path / "pruned", tmp_path / "draft_hf"
     for cmd in (["checkpoint_tools/prune_depth.py", "--model", target_dir, "--num-layers", "2",
                  "--data", data, "--num-tokens", "64", "--out", pruned],
-                ["checkpoint_tools/megatron_to_hf.py", "--ckpt", pruned, "--out", draft_dir]):
+                ["checkpoint_tools/megatron_to_hf.py", "--model", pruned, "--out", draft_dir]):
         subprocess.run([sys.executable, *map(str, cmd)], check=True, capture_output=True)
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval()

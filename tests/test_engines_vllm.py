@@ -95,7 +95,7 @@ def served(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
         import_eagle3(hf, base_tp2, ckpt, tp=2)
         for dtype in (("float32", "bfloat16") if layers == 1 else ("float32",)):
             out = root / f"export{layers}_{dtype}"
-            export_draft.main(["--ckpt", str(ckpt), "--out", str(out), "--dtype", dtype])
+            export_draft.main(["--model", str(ckpt), "--out", str(out), "--dtype", dtype])
             exports[f"eagle3_{layers}layer_{dtype}"] = out
     exports["no_d2t"] = broken(exports["eagle3_1layer_float32"], root / "no_d2t", drop="d2t")
     # n-gram listed first: vLLM 0.32 builds no EAGLE3 engine after an n-gram one in a process,
@@ -163,7 +163,7 @@ def test_export_draft_verify_with_vllm(served, capsys, caplog):
 
     out = served["root"] / "verified"
     caplog.set_level("INFO", logger="megatron_specdec.engines.verify_export")
-    export_draft.main(["--ckpt", str(served["root"] / "spec1_tp2"), "--out", str(out),
+    export_draft.main(["--model", str(served["root"] / "spec1_tp2"), "--out", str(out),
                        "--verify-with", "vllm"])
     assert "greedy-identical on 3 prompts" in caplog.text
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".verify_base_")]
@@ -265,7 +265,7 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     root = module_tmp("heads")
     convert_checkpoint(base_tp2, root / "medusa_tp2", "medusa",
                        {"medusa_num_heads": MEDUSA_HEADS, "medusa_num_layers": 1}, tp=2)
-    export_draft.main(["--ckpt", str(root / "medusa_tp2"), "--out", str(root / "medusa")])
+    export_draft.main(["--model", str(root / "medusa_tp2"), "--out", str(root / "medusa")])
     pool = [t for t, _ in Counter(t for g in project_greedy for t in g[:NEW_TOKENS])
             .most_common(20)]
     token = constant_medusa(root / "medusa", root / "medusa_bias", pool)
@@ -273,7 +273,7 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     subprocess.run([sys.executable, str(vllm.REPO / "checkpoint_tools" / "prune_depth.py"),
                     "--model", "default", "--num-layers", str(DRAFT_LAYERS), "--data",
                     str(FIT_DATA), "--out", str(root / "pruned")], check=True, cwd=vllm.REPO)
-    megatron_to_hf.main(["--ckpt", str(root / "pruned"), "--out", str(root / "pruned_hf")])
+    megatron_to_hf.main(["--model", str(root / "pruned"), "--out", str(root / "pruned_hf")])
     runs = {"greedy": None,
             "medusa": vllm.medusa_config(root / "medusa_bias", MEDUSA_HEADS),
             "medusa_no_flag": vllm.medusa_config(root / "medusa_no_flag", MEDUSA_HEADS),

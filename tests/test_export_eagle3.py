@@ -228,7 +228,7 @@ def test_full_export(ckpts, exported, tmp_path, capsys):
     from megatron_specdec.export.full_export import export_full
 
     out = tmp_path / "full"
-    code, err = _cli(["--ckpt", ckpts / "eagle3_pp2", "--out", out, "--full"], capsys)
+    code, err = _cli(["--model", ckpts / "eagle3_pp2", "--out", out, "--full"], capsys)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["base", "eagle3"]
     draft = exported["eagle3", "tp2"] / "model.safetensors"
@@ -248,7 +248,7 @@ def test_full_export(ckpts, exported, tmp_path, capsys):
 @pytest.mark.parametrize("extra", [[], ["--full"]], ids=["draft", "full"])
 def test_no_draft_module_is_refused_and_writes_nothing(ckpts, tmp_path, capsys, extra):
     out = tmp_path / "out"
-    code, err = _cli(["--ckpt", ckpts / "base", "--out", out] + extra, capsys)
+    code, err = _cli(["--model", ckpts / "base", "--out", out] + extra, capsys)
     assert code == 2 and "holds no draft module" in err, err
     assert list(tmp_path.iterdir()) == []
 
@@ -262,9 +262,9 @@ def test_wrong_algorithm_and_overwrite(ckpts, tmp_path, capsys):
     assert not (tmp_path / "m").exists()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep").write_text("x")
-    code, err = _cli(["--ckpt", ckpts / "eagle3_tp1", "--out", tmp_path / "busy"], capsys)
+    code, err = _cli(["--model", ckpts / "eagle3_tp1", "--out", tmp_path / "busy"], capsys)
     assert code == 2 and "--overwrite" in err and (tmp_path / "busy" / "keep").exists()
-    code, err = _cli(["--ckpt", ckpts / "eagle3_tp1", "--out", tmp_path / "busy", "--overwrite",
+    code, err = _cli(["--model", ckpts / "eagle3_tp1", "--out", tmp_path / "busy", "--overwrite",
                       "--dtype", "bfloat16"], capsys)
     assert code == 0, err
     _, tensors = _read(tmp_path / "busy")

@@ -87,7 +87,7 @@ def test_bad_drafts_are_refused_and_nothing_is_written(ckpts, draft_dir, tmp_pat
     bad = _copy_draft(draft_dir, tmp_path / "bad", edit, drop)
     out = tmp_path / "out"
     code = run_cli(lambda: import_draft.main(
-        ["--draft", str(bad), "--model_path", str(ckpts / "base"), "--export_dir", str(out)]))
+        ["--draft", str(bad), "--model", str(ckpts / "base"), "--out", str(out)]))
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]

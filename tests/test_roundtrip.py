@@ -19,8 +19,8 @@ def _config(path):
 
 def test_hf_megatron_hf_round_trip_is_bitwise(default_hf_dir, tmp_path):
     ckpt, back = tmp_path / "ckpt", tmp_path / "hf"
-    hf_to_megatron.main(["--hf_path", str(default_hf_dir), "--out", str(ckpt), "--tp", "2"])
-    megatron_to_hf.main(["--ckpt", str(ckpt), "--out", str(back)])
+    hf_to_megatron.main(["--model", str(default_hf_dir), "--out", str(ckpt), "--tp", "2"])
+    megatron_to_hf.main(["--model", str(ckpt), "--out", str(back)])
     src, dst = read_hf_state(default_hf_dir), read_hf_state(back)
     assert set(src) == set(dst)
     for name in src:

@@ -197,7 +197,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     out = tmp_path / "report"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out),
          "--max-new-tokens", "12", "--batch-size", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "acceptance.json").read_text())
@@ -217,7 +217,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     tree_out = tmp_path / "tree"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(tree_out),
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(tree_out),
          "--max-new-tokens", "12", "--tree-top-k", "2", "--tree-max-nodes", "5"],
         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -230,7 +230,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     sampled_out = tmp_path / "sampled"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(sampled_out),
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(sampled_out),
          "--max-new-tokens", "12", "--drafter", "ngram", "--temperature", "0.7", "--top-k",
          "20", "--seed", "3"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -241,12 +241,12 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
 
     missing = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-         str(tmp_path / "ckpt"), "--data", str(tmp_path / "none.jsonl"), "--out-dir", str(out)],
+         str(tmp_path / "ckpt"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)],
         capture_output=True, text=True)
     assert missing.returncode == 2 and "none.jsonl" in missing.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-         str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out),
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out),
          "--temperature", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
     for extra, message in ((["--batch-size", "0"], "--batch-size must be an integer >= 1"),
@@ -254,6 +254,6 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
                              "--typical-eps", "1.5"], "typical acceptance eps must lie")):
         bad = subprocess.run(
             [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
-             str(tmp_path / "ckpt"), "--data", str(prompts), "--out-dir", str(out), *extra],
+             str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out), *extra],
             capture_output=True, text=True)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]

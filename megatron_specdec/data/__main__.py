@@ -1,10 +1,9 @@
 """CLI: python -m megatron_specdec.data {regenerate,synthesize,ground,calibrate,sources} --help"""
 
-import argparse
 import logging
 import sys
 
-from megatron_specdec.cli import setup_logging
+from megatron_specdec.cli import USER_ERRORS, ArgumentParser, setup_logging
 from megatron_specdec.data.jsonl import ON_ERROR_CHOICES, DataError, read_list_file
 from megatron_specdec.data.openai_backend import BackendError
 from megatron_specdec.data.sources import PRESETS, TRAIN_PRESETS
@@ -45,9 +44,6 @@ def _backend_args(p):
         "(default: the checkpoint's for megatron, 'default' for openai)",
     )
     p.add_argument(
-        "--checkpoint", default="default", help="megatron backend: model checkpoint or 'default'"
-    )
-    p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         help="megatron backend: the parameters' dtype (default: the checkpoint's; float32 for "
@@ -55,7 +51,11 @@ def _backend_args(p):
         "float32's tokens/s (batch 64, bench/bench_regenerate.py)",
     )
     p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="openai backend: served model name")
+    p.add_argument(
+        "--model",
+        help="megatron backend: checkpoint, HF directory or 'default' (the default); "
+        "openai backend: the name the server serves the model under",
+    )
     p.add_argument(
         "--endpoint",
         choices=("completions", "chat"),
@@ -90,7 +90,8 @@ def _backend(args):
     from megatron_specdec.data.megatron_backend import MegatronBackend
 
     backend = MegatronBackend(
-        args.checkpoint, load_tokenizer(args.tokenizer) if args.tokenizer else None, args.dtype
+        args.model or "default", load_tokenizer(args.tokenizer) if args.tokenizer else None,
+        args.dtype,
     )
     return backend, backend.tokenizer
 
@@ -196,8 +197,9 @@ def _sources(args):
         print(f"{spec.name}\t{spec.split}\t{len(rows)} rows\t{spec.file}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m megatron_specdec.data", description=__doc__)
+def build_parser():
+    parser = ArgumentParser(prog="python -m megatron_specdec.data", description=__doc__,
+                            renamed={"--checkpoint": "--model"})
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -289,12 +291,16 @@ def main(argv=None):
     p = sub.add_parser("sources", help="list prompt sources and check their rows")
     _source_args(p, PRESETS)
     p.set_defaults(func=_sources)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    """Runs a subcommand; bad input is logged as one line and returns 1."""
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level.upper())
     try:
         args.func(args)
-    except (DataError, BackendError, FileNotFoundError, ImportError) as e:
+    except (DataError, BackendError, ImportError, *USER_ERRORS) as e:
         log.error("%s", e)
         return 1
     return 0

@@ -1,7 +1,7 @@
 """Acceptance-length validation of a speculative model over a jsonl of chat prompts.
 
     python -m megatron_specdec.decoding.validate --model CKPT \\
-        --data ../shared/data/mt_bench.jsonl --out-dir runs/validate \\
+        --data data/sources/mt_bench.jsonl --out runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
         [--tree-top-k 4 [--tree-max-nodes 32]]
         [--drafter eagle3|medusa|ngram|draft-model [--draft-model DRAFT_CKPT]]
@@ -13,15 +13,15 @@ the tokenizer's chat template as one user message; later turns are not used (a m
 evaluation would need the model's own earlier answers in the context). `category` groups the
 report. Speculative generation runs --batch-size prompts at a time (default 1; rows accept
 ragged counts); plain generation of the same base on the same batches gives the tokens/s
-baseline of the same runtime and checks that both produce the same tokens. Writes
-acceptance.json and acceptance.png (acceptance rate per draft position, overall and per
-category). With --tree-top-k the drafts form a
+baseline of the same runtime and checks that both produce the same tokens. Prints a short
+table (acceptance length, per-position acceptance, tokens/s, identity) and writes the full
+report to OUT/acceptance.json and its plot to OUT/acceptance.png (acceptance rate per draft
+position, overall and per category). With --tree-top-k the drafts form a
 tree of depth --num-draft-tokens (decoding/tree.py); acceptance length is counted the same way
 (tokens per verify forward), and "draft position" is the depth along the accepted path. With
 --tp/--pp > 1 and no torchrun environment, the ranks are spawned locally.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli import ArgumentParser, run_cli
 from megatron_specdec.decoding.metrics import summarise_by_category
 
 
@@ -173,6 +173,44 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     return report
 
 
+def format_report(report) -> str:
+    """The report as a short table a person reads (the JSON is for programs): acceptance
+    length (AL), mean tokens drafted a round, P(draft j accepted | j-1 accepted) as pj,
+    overall and per category; tokens/s, and whether outputs matched greedy."""
+    k, tree = report["num_draft_tokens"], report.get("tree")
+    shape = (f"{report['draft_policy']} chain, k={k}" if tree is None
+             else f"tree depth {k}, top-{tree['top_k']}, {tree['nodes']} nodes")
+    counts = {}
+    for record in report.get("per_prompt", []):
+        counts[record["category"]] = counts.get(record["category"], 0) + 1
+    rows = [("overall", report["num_prompts"], report["overall"])]
+    if len(report["categories"]) > 1:
+        rows += [(name, counts.get(name, ""), s) for name, s in report["categories"].items()]
+    width = max(len(name) for name, _, _ in rows) + 2
+    lines = [f"{report['algo']} ({shape}): {report['num_prompts']} prompts x "
+             f"{report['max_new_tokens']} new tokens, batch {report['batch_size']}",
+             f"{'':{width}}{'prompts':>8}{'AL':>7}{'drafted':>8}   "
+             + " ".join(f"{'p' + str(j):>5}" for j in range(1, k + 1))]
+    for name, n, s in rows:
+        al, drafted = s["acceptance_length"], s["mean_drafted"]
+        lines.append(f"{name:{width}}{n:>8}{_fixed(al, 7, 2)}{_fixed(drafted, 8, 2)}   "
+                     + " ".join(_fixed(p, 5, 2) for p in s["position_acceptance"]))
+    speed = f"tokens/s: speculative {report['speculative_tokens_per_s']:.1f}"
+    if "greedy_tokens_per_s" in report:
+        plain = "plain sampling" if "sampling" in report else "plain greedy"
+        speed += (f", {plain} {report['greedy_tokens_per_s']:.1f} "
+                  f"(speedup {report['speedup']:.2f}x)")
+    if "identical_to_greedy" in report:
+        speed += f"; identical to greedy: {report['identical_to_greedy']}"
+    legend = ("AL: tokens per verify forward; drafted: tokens drafted a round; "
+              "pj: P(draft j accepted | draft j-1 accepted)")
+    return "\n".join(lines + [speed, legend])
+
+
+def _fixed(value, width, digits) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
 def plot_acceptance(report, path):
     """Acceptance rate per draft position: overall (bold) and one line per category."""
     import matplotlib
@@ -208,12 +246,12 @@ def _nan(values):
     return [float("nan") if v is None else v for v in values]
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser():
+    p = ArgumentParser(description=__doc__, renamed={"--out-dir": "--out"})
     p.add_argument("--model", required=True, help="speculative checkpoint directory")
     p.add_argument("--data", required=True, help="jsonl of prompts, e.g. MT-bench")
-    p.add_argument("--out-dir", required=True, help="where acceptance.json/.png go")
+    p.add_argument("--out", required=True,
+                   help="directory to write: acceptance.json (the full report), acceptance.png")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=None,
@@ -228,7 +266,7 @@ def parse_args(argv=None):
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    return p.parse_args(argv)
+    return p
 
 
 def add_drafting_args(p):
@@ -316,21 +354,20 @@ def _worker(args):
     distributed.initialize(args.tp, args.pp)
     report = evaluate_acceptance(args.model, args.data, max_new_tokens=args.max_new_tokens,
                                  num_draft_tokens=args.num_draft_tokens,
-                                 num_prompts=args.num_prompts, out_dir=args.out_dir,
+                                 num_prompts=args.num_prompts, out_dir=args.out,
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
                                  drafter=args.drafter, policy=args.draft_policy,
                                  sampling=sampling_of(args), draft_model=args.draft_model,
                                  batch_size=args.batch_size, typical=typical_of(args))
     if is_rank0():
-        print(json.dumps({k: v for k, v in report.items() if k not in ("per_prompt", "categories")},
-                         indent=2))
-        print(f"wrote {Path(args.out_dir) / 'acceptance.json'} and acceptance.png")
+        print(format_report(report))
+        print(f"full report: {Path(args.out) / 'acceptance.json'} (plot: acceptance.png)")
 
 
 def main(argv=None):
     from megatron_specdec import checkpoint
 
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not Path(args.data).is_file():
         raise FileNotFoundError(f"prompt file {args.data} not found")
     meta = checkpoint.read_meta(args.model)  # a clear error here, before any rank starts

@@ -16,7 +16,7 @@ import torch
 
 from megatron_specdec import checkpoint, families, spec_config
 from megatron_specdec.export import eagle3_hf
-from megatron_specdec.weights import eagle3, mapping
+from megatron_specdec.weights import eagle3, files, mapping
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def read_hf_draft(draft_dir):
     if not (draft_dir / eagle3_hf.CONFIG).is_file():
         raise FileNotFoundError(
             f"{draft_dir}/{eagle3_hf.CONFIG} not found: not an HF draft directory")
-    config = json.loads((draft_dir / eagle3_hf.CONFIG).read_text())
+    config = files.read_json(draft_dir / eagle3_hf.CONFIG)
     tensors = read_hf_state(draft_dir)
     if config.get("num_hidden_layers", 1) == 1:  # ModelOpt 0.47 writes layers.0.*, as vLLM reads
         tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v

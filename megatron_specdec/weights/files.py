@@ -1,9 +1,11 @@
 """Weights read and written one tensor at a time, so conversion never holds a second copy of
 a model: an HF safetensors directory read lazily, a dist checkpoint read one tensor (or one
 layer of a stacked one) per call, and safetensors files (sharded under a size limit, with an
-index) written from a stream whose headers are known first.
+index) written from a stream whose headers are known first. A file that cannot be read as what
+it should be raises FileFormatError naming it, never the reader library's bare error.
 """
 
+import contextlib
 import itertools
 import json
 import struct
@@ -11,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 HF_WEIGHTS = "model.safetensors"
@@ -23,18 +26,74 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 _LAYERS = "decoder.layers."
 
 
-def hf_weight_files(hf_dir) -> dict:
-    """{tensor name: file path} of an HF directory (one file, or sharded with an index)."""
-    from safetensors import safe_open
+class FileFormatError(ValueError):
+    """A file that is there but is not what it should be: truncated or foreign safetensors,
+    JSON that does not parse, an index or checkpoint naming files that are absent or short.
+    The message names the file."""
 
+
+def read_json(path) -> dict:
+    """A JSON file's content; FileFormatError naming the file when it does not parse."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FileFormatError(f"{path}: not valid JSON ({e})") from None
+
+
+@contextlib.contextmanager
+def open_safetensors(path):
+    """safe_open of `path`, its errors (a truncated file, a foreign one) as FileFormatError
+    naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise FileFormatError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                              f"({e})") from None
+
+
+def hf_weight_files(hf_dir) -> dict:
+    """{tensor name: file path} of an HF directory (one file, or sharded with an index); every
+    file the index names must be there."""
     hf_dir = Path(hf_dir)
-    if (hf_dir / HF_INDEX).is_file():
-        return {k: hf_dir / f for k, f in
-                json.loads((hf_dir / HF_INDEX).read_text())["weight_map"].items()}
+    index = hf_dir / HF_INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise FileFormatError(f"{index}: expected a non-empty \"weight_map\" of tensor names "
+                                  f"to files")
+        absent = sorted({f for f in weight_map.values() if not (hf_dir / str(f)).is_file()})
+        if absent:
+            raise FileFormatError(f"{index} names {', '.join(absent)}, not in {hf_dir}")
+        return {k: hf_dir / f for k, f in weight_map.items()}
     if not (hf_dir / HF_WEIGHTS).is_file():
         raise FileNotFoundError(f"no {HF_WEIGHTS} or {HF_INDEX} in {hf_dir}")
-    with safe_open(str(hf_dir / HF_WEIGHTS), framework="pt") as f:
+    with open_safetensors(hf_dir / HF_WEIGHTS) as f:
         return {k: hf_dir / HF_WEIGHTS for k in f.keys()}
+
+
+def check_stored_files(ckpt_dir, metadata) -> None:
+    """Every file a dist checkpoint's `metadata` (torch's Metadata) stores tensor bytes in is
+    there and long enough: a missing or truncated `.distcp` named before any read."""
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = Path(ckpt_dir) / name
+        if not path.is_file():
+            raise FileFormatError(f"{path} is missing: the checkpoint's .metadata stores "
+                                  f"tensors in it")
+        size = path.stat().st_size
+        if size < end:
+            raise FileFormatError(f"{path} is truncated: {size} bytes, the checkpoint's "
+                                  f".metadata stores tensors up to byte {end}")
 
 
 class HFTensors(Mapping):
@@ -52,9 +111,7 @@ class HFTensors(Mapping):
     def read(self, name, dim=None, start=0, stop=None):
         """The tensor, or its rows (dim 0) or columns (dim 1) [start, stop): only those
         bytes are read (safetensors slices)."""
-        from safetensors import safe_open
-
-        with safe_open(str(self._files[name]), framework="pt") as f:
+        with open_safetensors(self._files[name]) as f:
             if dim is None:
                 tensor = f.get_tensor(name)
             else:
@@ -65,9 +122,7 @@ class HFTensors(Mapping):
         return tensor
 
     def shape(self, name) -> tuple:
-        from safetensors import safe_open
-
-        with safe_open(str(self._files[name]), framework="pt") as f:
+        with open_safetensors(self._files[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def __contains__(self, name):  # Mapping's would read the tensor
@@ -81,11 +136,9 @@ class HFTensors(Mapping):
 
     def shapes(self) -> dict:
         """{name: shape} from the file headers, no tensor read."""
-        from safetensors import safe_open
-
         shapes = {}
         for path in sorted(set(self._files.values())):
-            with safe_open(str(path), framework="pt") as f:
+            with open_safetensors(path) as f:
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         return shapes
 
@@ -154,10 +207,25 @@ class CheckpointTensors(Mapping):
             buf = torch.empty((1,) * (layer is not None) + tuple(meta.shape), dtype=meta.dtype)
             offsets = (layer or 0,) * (layer is not None) + (0,) * meta.dim()
             regions[name] = (self._prefix + key, offsets, buf)
-        load({}, storage_reader=FileSystemReader(self._dir), planner=_RegionPlanner(regions),
-             no_dist=True)
+        with reading_checkpoint(self._dir):
+            load({}, storage_reader=FileSystemReader(self._dir), planner=_RegionPlanner(regions),
+                 no_dist=True)
         return {name: buf[0] if self._stored_name(name)[1] is not None else buf
                 for name, (_, _, buf) in regions.items()}
+
+
+@contextlib.contextmanager
+def reading_checkpoint(ckpt_dir):
+    """A failed read of a dist checkpoint's tensors (torch's CheckpointException, a multi-line
+    report of every rank's traceback) as FileFormatError naming the checkpoint."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        reason = (str(failures[0]) if failures else "").strip() or type(e).__name__
+        reason = reason.splitlines()[0].split(". ")[0]  # the first sentence of the first rank's
+        raise FileFormatError(f"{ckpt_dir}: its stored tensors could not be read, a corrupt "
+                              f"file? ({reason})") from None
 
 
 class _RegionPlanner(DefaultLoadPlanner):
