@@ -15,10 +15,11 @@ import warnings
 
 from megatron_specdec.checkpoint import CheckpointError
 from megatron_specdec.families import UnsupportedModelError
+from megatron_specdec.weights.files import FileFormatError
 from megatron_specdec.weights.mapping import WeightMappingError
 
-USER_ERRORS = (CheckpointError, UnsupportedModelError, WeightMappingError, FileNotFoundError,
-               FileExistsError, ValueError)
+USER_ERRORS = (CheckpointError, UnsupportedModelError, WeightMappingError, FileFormatError,
+               FileNotFoundError, FileExistsError, ValueError)
 
 
 # Library warnings a user can do nothing about, each seen on every run of a tool: megatron-core
@@ -61,10 +62,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def setup_logging(level=None):
-    """One log format for every tool; `level` (a logging level name) overrides INFO on rank 0
-    and WARNING elsewhere."""
+    """One log format for every tool; `level` (a logging level name), else the environment's
+    SPECDEC_LOG_LEVEL (`make demo` sets WARNING for the tools it runs), overrides INFO on rank
+    0 and WARNING elsewhere."""
     rank = os.environ.get("RANK", "0")
-    level = level or (logging.INFO if rank == "0" else logging.WARNING)
+    level = (level or os.environ.get("SPECDEC_LOG_LEVEL", "").upper()
+             or (logging.INFO if rank == "0" else logging.WARNING))
     logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # also when an earlier call configured logging
     logging.getLogger("megatron").setLevel(logging.WARNING)

@@ -11,6 +11,7 @@ final/ (speculative checkpoint), train_log.jsonl, tensorboard/, summary.json, re
 
 import json
 import sys
+from pathlib import Path
 
 from megatron_specdec.cli import ArgumentParser, run_cli
 
@@ -22,6 +23,29 @@ def build_parser():
     return p
 
 
+def format_summary(summary: dict, output_dir) -> str:
+    """The run in three lines; the full summary is output_dir/summary.json."""
+    loss, accuracy = summary["final_loss"], summary["final_accuracy"]
+    lines = [f"trained the {summary['algo']} draft to step {summary['steps']} "
+             f"({summary['steps_this_run']} steps this run, {summary['seconds_this_run']:.0f} s, "
+             f"{summary['scored_tokens']} scored tokens, TP={summary['tp']} PP={summary['pp']} "
+             f"DP={summary['dp']}, {summary['mode']})",
+             "final loss " + ("-" if loss is None else f"{loss:.3f}")
+             + ", accuracy per draft position " + _numbers(accuracy)
+             + ("" if summary["acceptance"] is None
+                else f", acceptance length {summary['acceptance']['acceptance_length']:.2f} at "
+                     f"step {summary['acceptance']['step']}"),
+             f"final checkpoint {summary['final_checkpoint']}; summary "
+             f"{Path(output_dir) / 'summary.json'}"]
+    return "\n".join(lines)
+
+
+def _numbers(values) -> str:
+    if values is None:
+        return "-"
+    return "/".join(f"{v:.2f}" for v in (values if isinstance(values, list) else [values]))
+
+
 def main(argv=None):
     from megatron_specdec import distributed
     from megatron_specdec.training import load_recipe, train
@@ -31,7 +55,7 @@ def main(argv=None):
     try:
         summary = train(recipe)
         if distributed.is_rank0():
-            print(json.dumps(summary, indent=2))
+            print(format_summary(summary, recipe.output_dir))
     finally:
         distributed.destroy()
 

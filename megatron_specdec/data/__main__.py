@@ -200,7 +200,7 @@ def _sources(args):
 def build_parser():
     parser = ArgumentParser(prog="python -m megatron_specdec.data", description=__doc__,
                             renamed={"--checkpoint": "--model"})
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -297,7 +297,7 @@ def build_parser():
 def main(argv=None) -> int:
     """Runs a subcommand; bad input is logged as one line and returns 1."""
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level.upper())
+    setup_logging(args.log_level.upper() if args.log_level else None)
     try:
         args.func(args)
     except (DataError, BackendError, ImportError, *USER_ERRORS) as e:
@@ -306,5 +306,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
