@@ -23,7 +23,8 @@ def build_parser():
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the checkpoint's parameters are stored in")
     p.add_argument("--transformer-impl", default="auto",
                    choices=["auto", "local", "transformer_engine"],
                    help="layer implementation: TE when it imports on a GPU, else local")

@@ -19,7 +19,7 @@ def build_parser():
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument("--prompt", action="append", required=True,
                    help="a user message (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
     return p
 
 

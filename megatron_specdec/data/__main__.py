@@ -1,4 +1,9 @@
-"""CLI: python -m megatron_specdec.data {regenerate,synthesize,ground,calibrate,sources} --help"""
+"""Training data for a draft: the target model's own answers to prompts (regenerate), prompts
+it writes itself (synthesize) or about given passages (ground), the draft vocabulary
+(calibrate), and the prompt sources (sources).
+
+    python -m megatron_specdec.data {regenerate,synthesize,ground,calibrate,sources} --help
+"""
 
 import logging
 import sys
@@ -37,7 +42,13 @@ def _source_args(p, default_sources):
 
 
 def _backend_args(p):
-    p.add_argument("--backend", choices=("megatron", "openai"), required=True)
+    p.add_argument(
+        "--backend",
+        choices=("megatron", "openai"),
+        required=True,
+        help="megatron: generate in this process from --model; openai: ask a served model "
+        "(vLLM, SGLang, ...) at --url",
+    )
     p.add_argument(
         "--tokenizer",
         help="HF tokenizer dir of the target, or 'default' "
@@ -211,19 +222,19 @@ def build_parser():
         "--out", required=True, help="conversations jsonl (appended; a rerun resumes it)"
     )
     _backend_args(p)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="answer tokens at most")
     p.add_argument(
         "--system-prompt", help="system message for every conversation (default: the template's)"
     )
-    p.add_argument("--shard-index", type=int, default=0)
+    p.add_argument("--shard-index", type=int, default=0, help="this process's shard, 0-based")
     p.add_argument(
         "--num-shards", type=int, default=1, help="shard i writes OUT with a .shardI-of-N suffix"
     )
     p.add_argument(
         "--limit", type=int, help="only the first N prompts of this shard (a mix of all sources)"
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_regenerate)
 
     p = sub.add_parser(
@@ -233,18 +244,18 @@ def build_parser():
     _backend_args(p)
     p.add_argument("--out", required=True, help="prompts jsonl ({id, prompt}; a rerun resumes it)")
     p.add_argument("--num-prompts", type=int, required=True, help="candidates to sample")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256, help="candidates sampled together")
     p.add_argument("--max-new-tokens", type=int, default=96, help="longer candidates are dropped")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=0.95, help="sampling nucleus mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (a rerun samples the same)")
     p.add_argument("--system-prompt", help="system message before the user turn (default: none)")
     p.add_argument(
         "--user-prefixes",
         help="text file, one prefix a line: row i's user text starts with prefix i mod N "
         "(e.g. data/synth_user_prefixes.txt, steered to MT-bench-like categories)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_synthesize)
 
     p = sub.add_parser(
@@ -256,8 +267,8 @@ def build_parser():
                    help="conversations jsonl(.gz) whose assistant turns are the passages")
     p.add_argument("--instructions", required=True,
                    help="requests with {text}, one a line (e.g. data/grounded_instructions.txt)")
-    p.add_argument("--num-prompts", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, required=True, help="prompts to write")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passage/request pairing")
     p.add_argument("--min-chars", type=int, default=300, help="shorter passages are skipped")
     p.add_argument("--max-chars", type=int, default=1000,
                    help="passages are cut at a paragraph or sentence end within this")
@@ -271,7 +282,8 @@ def build_parser():
     p.add_argument(
         "--tokenizer", default="default", help="HF tokenizer dir of the target, or 'default'"
     )
-    p.add_argument("--draft-vocab-size", type=int, required=True)
+    p.add_argument("--draft-vocab-size", type=int, required=True,
+                   help="tokens in the draft vocabulary (the most frequent)")
     p.add_argument("--out", required=True, help="output .safetensors (d2t, t2d, counts)")
     p.add_argument(
         "--all-tokens", action="store_true", help="count every token, not only assistant tokens"

@@ -253,7 +253,8 @@ def build_parser():
     p.add_argument("--out", required=True,
                    help="directory to write: acceptance.json (the full report), acceptance.png")
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts only")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt (fewer at an end of turn)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="chain length k, or tree depth (default: EAGLE3 ttt_steps, Medusa heads)")
     p.add_argument("--tree-top-k", type=int, default=None,
@@ -385,5 +386,10 @@ def main(argv=None):
         _worker(args)
 
 
+def cli() -> int:
+    """Console entry point (setup.py)."""
+    return run_cli(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())
