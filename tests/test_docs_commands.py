@@ -1,6 +1,6 @@
-"""The commands in README.md, RESULTS.md, docs/ and the cards name real tools with real flags,
-and their recipe overrides load, so the documentation cannot drift from the code unnoticed.
-Relative links between the documents resolve."""
+"""The commands in README.md, RESULTS.md, docs/, the cards and the recipes' headers name real
+tools with real flags, and their recipe overrides load, so the documentation cannot drift from
+the code unnoticed. Relative links between the documents resolve."""
 
 import importlib
 import re
@@ -14,6 +14,7 @@ DOCS = sorted([REPO / "README.md", REPO / "RESULTS.md", REPO / "CHANGELOG.md",
                REPO / "data" / "README.md", REPO / "data" / "sources" / "README.md",
                REPO / "models" / "eagle3_smollm2" / "README.md",
                *(p for p in (REPO / "docs").rglob("*.md") if "reference" not in p.parts)])
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 LAUNCHERS = {"python", "python3", "torchrun"}
 
 
@@ -33,6 +34,12 @@ def _code_lines(text):
         lines.append(joined)
         joined = ""
     return lines
+
+
+def _comment_lines(text):
+    """A YAML file's comment lines, as code lines (a recipe's header shows how to run it)."""
+    comments = [line[1:] for line in text.splitlines() if line.startswith("#")]
+    return _code_lines("\n".join("    " + line.strip() for line in comments))
 
 
 def _command(line):
@@ -61,8 +68,9 @@ def _unbracket(arg):
 
 def _project_commands():
     found = []
-    for doc in DOCS:
-        for line in _code_lines(doc.read_text()):
+    for doc in [*DOCS, *RECIPES]:
+        lines = (_comment_lines if doc.suffix == ".yaml" else _code_lines)(doc.read_text())
+        for line in lines:
             cmd = _command(line)
             if cmd is None:
                 continue
