@@ -133,6 +133,14 @@ def subcommands(parser) -> dict:
     return {}
 
 
+def subcommand_help(parser) -> dict:
+    """{name: the help given to add_parser} of a parser's subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {choice.dest: choice.help for choice in action._choices_actions}
+    return {}
+
+
 def _type_of(action) -> str:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "switch"
@@ -150,7 +158,8 @@ def _type_of(action) -> str:
 def _default_of(action) -> str:
     if action.required:
         return "required"
-    if isinstance(action, argparse._StoreTrueAction) or action.default in (None, [], False):
+    if (isinstance(action, argparse._StoreTrueAction) or action.default is None
+            or action.default is False or action.default == []):
         return ""
     return f"`{action.default}`"
 
@@ -202,9 +211,10 @@ def cli_markdown() -> str:
         renamed = getattr(parser, "renamed", {})
         if flags(parser):
             out += _flag_table(parser)
+        helps = subcommand_help(parser)
         for name, sub in subcommands(parser).items():
-            out += ["", f"### {tool.command} {name}", "", _summary(sub) or _cell(
-                sub.description or ""), ""] + _flag_table(sub)
+            out += ["", f"### {tool.command} {name}", "", _cell(helps.get(name) or ""),
+                    ""] + _flag_table(sub)
         if renamed:
             old = ", ".join(f"`{a}` → `{b}`" for a, b in renamed.items())
             out += ["", f"Older spellings still accepted (not shown in `--help`): {old}."]

@@ -28,6 +28,11 @@ def _parsers():
 
 
 def test_every_flag_is_dashed_and_documented():
+    for tool in TOOLS:
+        parser = parser_of(tool)
+        assert (parser.description or "").strip(), f"{tool.command} has no description"
+        for sub, text in reference_docs.subcommand_help(parser).items():
+            assert text, f"{tool.command} {sub} has no help"
     for name, parser in _parsers():
         for names, action in flags(parser):
             for flag in names:
