@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a handful of places. Each patch below is applied only when
 CUDA is absent, is idempotent, and carries a one-line reason. Nothing else in the project
-special-cases the CPU: on a GPU machine `apply()` does nothing.
+special-cases the CPU: on a GPU machine `apply()` only fills in the one name megatron-core
+leaves undefined without Transformer Engine (`_moe_router_gemm_patch`).
 """
 
 import contextlib
@@ -95,10 +96,24 @@ def _device_literal_patch():
         module.torch = _TorchOnCpu()
 
 
+def _moe_router_gemm_patch():
+    """moe_utils' router gating linear tests `te_general_gemm is not None`, a name it imports
+    only with Transformer Engine: without TE (on CPUs and GPUs alike) every MoE forward raises
+    NameError. None selects its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply():
-    """Apply every CPU workaround once, only when CUDA is not available."""
+    """Apply every CPU workaround once, only when CUDA is not available (the MoE router's
+    missing name is filled in on any machine)."""
     global _APPLIED
-    if _APPLIED or torch.cuda.is_available():
+    if _APPLIED:
+        return
+    _moe_router_gemm_patch()
+    if torch.cuda.is_available():
         return
     # ~100 call sites pass torch.cuda.current_device() as a device (RoPE, TP mappings, p2p).
     torch.cuda.current_device = _cpu_device

@@ -25,9 +25,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def initialize(tp: int = 1, pp: int = 1, seed: int = 1234):
+def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1, etp=None):
     """Initialise torch.distributed (from torchrun's env, or as a single process) and Megatron's
-    tensor/pipeline groups. Data parallel size is world_size / (tp * pp)."""
+    tensor/pipeline groups. Data parallel size is world_size / (tp * pp). `ep`: expert parallel
+    size, carved out of data parallelism (world size divisible by etp x ep x pp); `etp`: expert
+    tensor parallel size (None: tp)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -46,10 +48,17 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234):
         raise ValueError(
             f"world size {world} is not divisible by tensor_parallel ({tp}) x pipeline_parallel ({pp})"
         )
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by expert_tensor_parallel ({etp}) x "
+            f"expert_parallel ({ep}) x pipeline_parallel ({pp})"
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
     )
     model_parallel_cuda_manual_seed(seed)
 

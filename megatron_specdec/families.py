@@ -1,7 +1,7 @@
 """Supported Hugging Face model families and their translation to a Megatron TransformerConfig.
 
-One entry per architecture; everything family-specific (qkv bias, q/k norm) is a field here,
-so the provider and the weight table stay family-agnostic.
+One entry per architecture; everything family-specific (qkv bias, q/k norm, mixture of experts
+and its router) is a field here, so the provider and the weight table stay family-agnostic.
 """
 
 from dataclasses import dataclass
@@ -15,6 +15,7 @@ class Family:
     name: str
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections only
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys
+    moe: bool = False  # every layer's MLP is a routed mixture of SwiGLU experts
 
 
 FAMILIES = {
@@ -22,6 +23,8 @@ FAMILIES = {
     "MistralForCausalLM": Family("mistral"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True),
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, moe=True),
+    "MixtralForCausalLM": Family("mixtral", moe=True),
 }
 
 
@@ -34,7 +37,8 @@ def family_of(hf_config) -> Family:
     if not archs:
         # Configs built in code (tests, GGUF) may lack `architectures`: use model_type.
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
         arch = by_type.get(getattr(hf_config, "model_type", None))
         archs = [arch] if arch else [f"model_type={getattr(hf_config, 'model_type', None)}"]
     for arch in archs:
@@ -104,10 +108,69 @@ def padded_query_groups(hf_config, tp: int) -> int:
     return -(-groups // tp) * tp
 
 
+def num_experts(hf_config) -> int:
+    """Routed experts per MoE layer (0 for a dense family)."""
+    if not family_of(hf_config).moe:
+        return 0
+    return _field(hf_config, "num_experts") or _field(hf_config, "num_local_experts")
+
+
+def moe_settings(hf_config, ep: int = 1, etp=None) -> dict:
+    """TransformerConfig fields of a mixture-of-experts family at expert parallel size `ep`.
+
+    Routing equals HF's: megatron's `moe_router_pre_softmax=False` takes the top-k logits and
+    softmaxes over those k, which is HF's softmax-top-k-renormalise (Mixtral always,
+    Qwen3-MoE with `norm_topk_prob`); `True` softmaxes over all experts and keeps the top-k
+    probabilities unnormalised (Qwen3-MoE without it). The base is frozen under a draft: no
+    load-balancing loss, no aux loss. Experts are SequentialMLP fed by the all-gather
+    dispatcher, the pair that runs on gloo as on NCCL."""
+    family = family_of(hf_config)
+    experts = num_experts(hf_config)
+    if ep < 1 or experts % ep:
+        raise ValueError(
+            f"expert_parallel={ep} does not divide the {experts} experts of {family.name}"
+        )
+    topk = hf_config.num_experts_per_tok
+    renormalise = family.name == "mixtral" or bool(_field(hf_config, "norm_topk_prob", False))
+    if topk == 1 and renormalise:
+        raise UnsupportedModelError(
+            f"num_experts_per_tok=1 with renormalised top-k: megatron's softmax over one logit "
+            f"is always 1; only unnormalised top-1 (norm_topk_prob=false) is supported"
+        )
+    sparse_step = _field(hf_config, "decoder_sparse_step", 1)
+    if list(_field(hf_config, "mlp_only_layers", None) or []) or sparse_step != 1:
+        # A dense/MoE mix stores per-layer checkpoint keys the streaming readers do not address.
+        raise UnsupportedModelError(
+            f"mlp_only_layers={hf_config.mlp_only_layers} / decoder_sparse_step={sparse_step}: "
+            f"only models whose every layer is MoE are supported"
+        )
+    if _field(hf_config, "router_jitter_noise", 0.0):
+        raise UnsupportedModelError(
+            f"router_jitter_noise={hf_config.router_jitter_noise}; only 0 (deterministic routing)"
+        )
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=_field(hf_config, "moe_intermediate_size")
+        or hf_config.intermediate_size,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=not renormalise,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_layer_freq=1,
+        moe_shared_expert_intermediate_size=None,  # neither family has shared experts
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
 def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32,
-                       num_query_groups=None, **overrides):
+                       num_query_groups=None, ep: int = 1, etp=None, **overrides):
     """A megatron-core TransformerConfig equivalent to `hf_config`; `num_query_groups` is the
-    padded group count (default: padded for `tp`)."""
+    padded group count (default: padded for `tp`); `ep`/`etp`: expert parallel and expert
+    tensor parallel sizes of an MoE family (etp None: `tp`)."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_specdec import cpu_compat
@@ -152,6 +215,10 @@ def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if family.moe:
+        kwargs.update(moe_settings(hf_config, ep, tp if etp is None else etp))
+    elif ep != 1:
+        raise ValueError(f"expert_parallel={ep} given for the dense family {family.name}")
     if not torch.cuda.is_available():
         kwargs.update(cpu_compat.CPU_UNFUSED_CONFIG)
     kwargs.update(overrides)

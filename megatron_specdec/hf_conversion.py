@@ -15,7 +15,7 @@ import torch
 from megatron_specdec import checkpoint, distributed, families
 from megatron_specdec.default_model import resolve_model_path
 from megatron_specdec.model_provider import build_model, resolve_transformer_impl
-from megatron_specdec.weights import files, llama, mapping
+from megatron_specdec.weights import files, llama, mapping, moe
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,16 @@ def check_hf_state(hf_config, shapes: dict, hf_dir):
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)
+    family = families.family_of(hf_config)
+    if family.moe:
+        expected = moe.disk_shapes(family.name, expected)
     mapping.check_shapes(expected, shapes, hf_dir)
 
 
 def weight_rules(hf_config):
-    return llama.rules(bool(getattr(hf_config, "tie_word_embeddings", False)))
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    family = families.family_of(hf_config)
+    return moe.rules(family.name, tied) if family.moe else llama.rules(tied)
 
 
 def load_hf_into_model(model, hf_config, hf_state):
@@ -71,9 +76,15 @@ def load_hf_into_model(model, hf_config, hf_state):
         rules, hf_state, mapping.Geometry.from_hf(hf_config, model.padding),
         hf_config.num_hidden_layers,
     )
+    experts = (0, 0, 1)
+    if families.family_of(hf_config).moe:  # this EP rank's experts, split over expert TP
+        local = families.num_experts(hf_config) // ps.get_expert_model_parallel_world_size()
+        experts = (ps.get_expert_model_parallel_rank() * local,
+                   ps.get_expert_tensor_parallel_rank(),
+                   ps.get_expert_tensor_parallel_world_size())
     mapping.load_into_model(
         model, rules, global_state, hf_config.num_hidden_layers, pp_rank * layers_per_stage,
-        ps.get_tensor_model_parallel_rank(), tp,
+        ps.get_tensor_model_parallel_rank(), tp, experts,
     )
 
 
@@ -103,8 +114,8 @@ def base_meta(hf_config, model, dtype, transformer_impl) -> dict:
     }
 
 
-def _import_worker(hf_dir, out_dir, tp, pp, dtype_name, overwrite, transformer_impl):
-    distributed.initialize(tp, pp)
+def _import_worker(hf_dir, out_dir, tp, pp, dtype_name, overwrite, transformer_impl, ep=1):
+    distributed.initialize(tp, pp, ep=ep)
     dtype = checkpoint.dtype_from_name(dtype_name)
     model, config = model_from_hf(hf_dir, dtype, transformer_impl)
     checkpoint.save_checkpoint(
@@ -114,24 +125,27 @@ def _import_worker(hf_dir, out_dir, tp, pp, dtype_name, overwrite, transformer_i
 
 
 def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, dtype="float32", overwrite=False,
-                   transformer_impl="auto"):
-    """Import an HF model directory (or 'default') into a dist checkpoint at TP x PP.
+                   transformer_impl="auto", ep=1):
+    """Import an HF model directory (or 'default') into a dist checkpoint at TP x PP (x EP:
+    the expert parallel size of an MoE family, each rank reading only its experts).
 
-    Runs in the current process group when it has tp*pp ranks (torchrun, or one process),
-    else spawns tp*pp local processes.
+    Runs in the current process group when it has tp*pp*ep ranks (torchrun, or one process),
+    else spawns tp*pp*ep local processes. The checkpoint loads at any TP/PP/EP:
+    dist_checkpointing stores the experts on a global expert axis.
     """
     import torch.distributed as dist
 
     hf_dir = resolve_model_path(hf_dir)
     config = read_hf_config(hf_dir)
-    families.transformer_config(config, tp=tp, pp=pp)  # layout errors before any process starts
+    # layout errors (an EP that does not divide the experts) before any process starts
+    families.transformer_config(config, tp=tp, pp=pp, ep=ep)
     checkpoint.check_output_dir(out_dir, overwrite, "checkpoint directory")
-    args = (str(hf_dir), str(out_dir), tp, pp, dtype, overwrite, transformer_impl)
+    args = (str(hf_dir), str(out_dir), tp, pp, dtype, overwrite, transformer_impl, ep)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == tp * pp:
+    if world == tp * pp * ep:
         _import_worker(*args)
     else:
-        distributed.spawn(_import_worker, tp * pp, *args)
+        distributed.spawn(_import_worker, tp * pp * ep, *args)
     return Path(out_dir)
 
 

@@ -55,13 +55,16 @@ def layer_spec(config, impl: str):
         SmallRowsRowParallelLinear,
     )
 
+    # An MoE config (every layer MoE, families.moe_settings) takes megatron's MoELayer with
+    # SequentialMLP experts on both specs: one checkpoint layout, and it runs on gloo.
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     if impl == "transformer_engine":
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=config.qk_layernorm
+            qk_layernorm=config.qk_layernorm, **moe
         )
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+            qk_layernorm=config.qk_layernorm, normalization="RMSNorm", **moe
         )
     layer = spec.submodules
     attention = replace(layer.self_attention, module=DecodeSelfAttention)
@@ -70,15 +73,23 @@ def layer_spec(config, impl: str):
         attention = replace(attention, submodules=replace(
             attention.submodules, linear_qkv=SmallRowsColumnParallelLinear,
             core_attention=SDPAttention, linear_proj=SmallRowsRowParallelLinear))
+    if impl != "transformer_engine" and not config.num_moe_experts:
         mlp = replace(mlp, submodules=replace(
             mlp.submodules, linear_fc1=SmallRowsColumnParallelLinear,
             linear_fc2=SmallRowsRowParallelLinear))
+    if config.num_moe_experts:
+        # The local spec checkpoints an MoE layer's own norm under the dense fused name
+        # (`mlp.linear_fc1.layer_norm_weight`), TE's as `pre_mlp_layernorm.weight`: keep
+        # TE's, so both specs read and write one layout.
+        keys = {k: v for k, v in layer.sharded_state_dict_keys_map.items()
+                if k != "pre_mlp_layernorm."}
+        layer = replace(layer, sharded_state_dict_keys_map=keys)
     return replace(spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
 
 
 def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_impl="auto",
-                        max_sequence_length=None, padding=None, pg_collection=None,
-                        **config_overrides):
+                        max_sequence_length=None, padding=None, pg_collection=None, ep=1,
+                        etp=None, **config_overrides):
     """A `model_provider(pre_process, post_process, vp_stage=None)` for `hf_config`.
 
     `padding` ({"query_groups", "vocab_size"}) is the padding a checkpoint was saved with;
@@ -95,7 +106,7 @@ def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_
     impl = resolve_transformer_impl(transformer_impl)
     config = families.transformer_config(
         hf_config, tp=tp, pp=pp, dtype=dtype, num_query_groups=padding["query_groups"],
-        transformer_impl=impl, **config_overrides,
+        ep=ep, etp=etp, transformer_impl=impl, **config_overrides,
     )
     rope = families.rope_settings(hf_config)
 
@@ -135,15 +146,19 @@ def _norms_in_params_dtype(model, dtype: torch.dtype):
 
 def build_model(hf_config, dtype=torch.float32, transformer_impl="auto", padding=None,
                 **config_overrides):
-    """This rank's stage of the GPTModel, on the current device, for the initialised TP/PP groups."""
+    """This rank's stage of the GPTModel, on the current device, for the initialised TP/PP
+    (and, for an MoE family, EP and expert TP) groups."""
     from megatron.core import parallel_state as ps
 
     from megatron_specdec.distributed import device
 
+    moe = families.family_of(hf_config).moe
     provider = make_model_provider(
         hf_config,
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size() if moe else 1,
+        etp=ps.get_expert_tensor_parallel_world_size() if moe else None,
         dtype=dtype,
         transformer_impl=transformer_impl,
         padding=padding,

@@ -59,3 +59,35 @@ def checkpoint_loss(tp, pp, ckpt_dir, tokens, out_file):
         loss = lm_loss(model, tokens, torch.ones_like(tokens))
     if is_writer():
         torch.save(loss, out_file)
+
+
+def _moe_writer():
+    """`is_writer` on the first data-parallel rank: with EP > 1 several ranks hold results."""
+    from megatron.core import parallel_state as ps
+
+    return is_writer() and ps.get_data_parallel_rank() == 0
+
+
+def moe_parity(tp, pp, ep, hf_dirs, prompt_ids, new_tokens, out_file):
+    """`parity` at TP x PP x EP for each HF directory in one process group: {dir: result}."""
+    distributed.initialize(tp, pp, ep=ep)
+    results = {}
+    for hf_dir in hf_dirs:
+        model, config = model_from_hf(hf_dir)
+        model.eval()
+        runner = StageRunner(model, 1, len(prompt_ids), config.vocab_size)
+        logits = runner.step(torch.tensor([prompt_ids]))
+        tokens = plain_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
+        results[hf_dir] = {"logits": logits[0] if logits is not None else None, "tokens": tokens}
+    if _moe_writer():
+        torch.save(results, out_file)
+
+
+def moe_checkpoint_logits(tp, pp, ep, ckpt_dir, prompt_ids, out_file):
+    """Prompt logits of a base checkpoint loaded at TP x PP x EP (dist_checkpointing reshards)."""
+    distributed.initialize(tp, pp, ep=ep)
+    loaded = load_model(ckpt_dir, with_draft=False)
+    runner = StageRunner(loaded.model, 1, len(prompt_ids), loaded.config.vocab_size)
+    logits = runner.step(torch.tensor([prompt_ids]))
+    if _moe_writer():
+        torch.save(logits[0], out_file)

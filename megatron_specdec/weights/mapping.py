@@ -3,13 +3,16 @@
 A table is a list of `Rule`s. Each names a Megatron tensor (global layer index `{i}`), the HF
 tensor(s) it comes from, how they merge (`copy`, `qkv`, `gate_up`, `vocab`) and the tensor
 parallel split dimension. Layouts follow Megatron-Bridge: QKV interleaved per query group
-`[q heads of group g, k_g, v_g]`, fc1 = `[gate; up]`, vocabulary padded for TP.
+`[q heads of group g, k_g, v_g]`, fc1 = `[gate; up]`, vocabulary padded for TP. An `experts`
+rule covers the routed experts of a mixture-of-experts layer: its HF names hold `{e}`, and the
+Megatron tensor is the one megatron's SequentialMLP checkpoints, the experts stacked on a
+leading global expert axis, so expert parallel layouts reshard like any other axis.
 """
 
 import itertools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -22,6 +25,7 @@ class Rule:
     kind: str = "copy"  # copy | qkv | heads_in | gate_up | vocab
     tp_dim: Optional[int] = None  # None: replicated across TP
     optional: bool = False  # present only in some families (biases, q/k norms)
+    experts: bool = False  # one HF group per routed expert `{e}`, stacked on a leading axis
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Geometry:
     vocab_size: int
     padded_vocab_size: int
     padded_groups: int  # zero groups appended so TP divides them
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
 
     @classmethod
     def from_hf(cls, hf_config, padding: dict):
@@ -46,6 +51,8 @@ class Geometry:
             vocab_size=hf_config.vocab_size,
             padded_vocab_size=padding["vocab_size"],
             padded_groups=padding["query_groups"],
+            num_experts=getattr(hf_config, "num_experts", None)
+            or getattr(hf_config, "num_local_experts", None) or 0,
         )
 
     @property
@@ -75,20 +82,39 @@ def check_shapes(expected: dict, found: dict, source):
                 f"found {tuple(found[name])}")
 
 
-def _expand(template: str, layer: Optional[int]) -> str:
-    return template.format(i=layer) if layer is not None else template
+def _expand(template: str, layer: Optional[int], expert: Optional[int] = None) -> str:
+    return template.format(i=layer, e=expert) if layer is not None else template
 
 
-def expand_rules(rules, num_layers: int):
-    """Yield (rule, layer_index or None, megatron_name, hf_names) for every concrete tensor."""
+def expand_rules(rules, num_layers: int, num_experts: int = 0):
+    """Yield (rule, layer_index or None, megatron_name, hf_names) for every concrete tensor;
+    an experts rule's hf_names are its HF templates for expert 0, then for expert 1, ..."""
     for rule in rules:
         layers = range(num_layers) if "{i}" in rule.megatron else [None]
         for layer in layers:
-            yield rule, layer, _expand(rule.megatron, layer), tuple(_expand(h, layer) for h in rule.hf)
+            if rule.experts:
+                hf = tuple(_expand(h, layer, e) for e in range(num_experts) for h in rule.hf)
+            else:
+                hf = tuple(_expand(h, layer) for h in rule.hf)
+            yield rule, layer, _expand(rule.megatron, layer), hf
+
+
+def per_expert(rule: Rule) -> Rule:
+    """The rule of one expert's slice of an experts rule's tensor."""
+    return replace(rule, experts=False)
+
+
+def expert_sources(rule: Rule, hf_names, expert: int):
+    """The HF names (or tensors) of one expert among an experts rule's expanded sources."""
+    k = len(rule.hf)
+    return hf_names[expert * k:(expert + 1) * k]
 
 
 def merge(rule: Rule, tensors, geo: Geometry) -> torch.Tensor:
     """HF tensor(s) -> one global Megatron tensor."""
+    if rule.experts:
+        return torch.stack([merge(per_expert(rule), expert_sources(rule, tensors, e), geo)
+                            for e in range(len(tensors) // len(rule.hf))])
     if rule.kind == "copy":
         return tensors[0]
     if rule.kind == "vocab":
@@ -125,6 +151,8 @@ def _chunk_range(n: int, tp_rank: int, tp_size: int) -> Tuple[int, int]:
 
 def split(rule: Rule, tensor: torch.Tensor, geo: Geometry):
     """One global Megatron tensor -> the HF tensor(s) it holds (inverse of `merge`)."""
+    if rule.experts:
+        return tuple(itertools.chain.from_iterable(split(per_expert(rule), t, geo) for t in tensor))
     if rule.kind == "copy":
         return (tensor,)
     if rule.kind == "vocab":
@@ -169,7 +197,7 @@ class MergedTensors(Mapping):
 
     def __init__(self, rules, hf_state, geo: Geometry, num_layers: int):
         self._hf, self._geo, self._sources = hf_state, geo, {}
-        for rule, _, meg_name, hf_names in expand_rules(rules, num_layers):
+        for rule, _, meg_name, hf_names in expand_rules(rules, num_layers, geo.num_experts):
             present = [n in hf_state for n in hf_names]
             if not all(present):
                 if rule.optional and not any(present):
@@ -192,10 +220,15 @@ class MergedTensors(Mapping):
     def _size(self, name, dim) -> int:
         return (self._hf.shape(name) if hasattr(self._hf, "shape") else self._hf[name].shape)[dim]
 
-    def shard(self, meg_name, tp_rank: int, tp_size: int) -> torch.Tensor:
+    def shard(self, meg_name, tp_rank: int, tp_size: int, expert: Optional[int] = None):
         """`shard(rule, self[meg_name], tp_rank, tp_size)`, read as the slices of its sources
-        this rank owns: a rank never reads, nor holds, another rank's part."""
+        this rank owns: a rank never reads, nor holds, another rank's part. `expert`: of an
+        experts rule, that expert's slice only (an expert parallel rank reads its experts)."""
         rule, hf_names = self._sources[meg_name]
+        if expert is not None:
+            rule, hf_names = per_expert(rule), expert_sources(rule, hf_names, expert)
+            if rule.tp_dim is None or tp_size == 1:
+                return merge(rule, [self._hf[n] for n in hf_names], self._geo)
         if rule.tp_dim is None or tp_size == 1:
             return self[meg_name]
         geo = self._geo
@@ -238,7 +271,7 @@ def split_tensors(rules, meg_state, geo: Geometry, num_layers: int, layers=None)
     """(HF name, tensor) pairs of the global Megatron tensors in `meg_state` (inverse of the
     merge), one rule at a time; `layers`: only rules of those layer indices (None in it: the
     non-layer rules), all when not given."""
-    for rule, at, meg_name, hf_names in expand_rules(rules, num_layers):
+    for rule, at, meg_name, hf_names in expand_rules(rules, num_layers, geo.num_experts):
         if layers is not None and at not in layers:
             continue
         if meg_name not in meg_state:
@@ -292,6 +325,8 @@ def megatron_to_hf(rules, meg_state: dict, geo: Geometry, num_layers: int) -> di
 
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+# SequentialMLP's parameter of local expert j; checkpointed as `...experts.experts.<rest>`.
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
 def to_global_name(local_name: str, layer_offset: int, keys_map: dict) -> str:
@@ -321,23 +356,33 @@ def rule_index(rules, num_layers: int) -> dict:
 
 
 def load_into_model(model, rules, global_state, num_layers: int, layer_offset: int,
-                    tp_rank: int, tp_size: int):
+                    tp_rank: int, tp_size: int, experts=(0, 0, 1)):
     """Copy this rank's slices of `global_state` (a dict, or MergedTensors to read only this
-    rank's slices, one tensor at a time) into `model`'s parameters, checking shapes."""
+    rank's slices, one tensor at a time) into `model`'s parameters, checking shapes.
+    `experts`: (global index of this rank's first expert, expert TP rank, expert TP size)."""
     index = rule_index(rules, num_layers)
     keys_map = layer_keys_map(model)
+    first_expert, etp_rank, etp_size = experts
     params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     for local_name, param in params.items():
         name = to_global_name(local_name, layer_offset, keys_map)
+        expert, rank, size = None, tp_rank, tp_size
+        m = _LOCAL_EXPERT.match(name)
+        if m:
+            name, expert = f"{m[1]}experts.{m[3]}", first_expert + int(m[2])
+            rank, size = etp_rank, etp_size
         if name not in global_state:
             raise WeightMappingError(f"no source tensor for model parameter {name!r}")
         if isinstance(global_state, MergedTensors):
-            value = global_state.shard(name, tp_rank, tp_size)
+            value = global_state.shard(name, rank, size, expert)
+        elif expert is not None:
+            value = shard(per_expert(index[name]), global_state[name][expert], rank, size)
         else:
-            value = shard(index[name], global_state[name], tp_rank, tp_size)
+            value = shard(index[name], global_state[name], rank, size)
         if tuple(value.shape) != tuple(param.shape):
+            where = f"TP rank {rank}" if expert is None else f"expert {expert}, expert TP rank {rank}"
             raise WeightMappingError(
-                f"tensor {name!r}: expected shape {tuple(param.shape)} on TP rank {tp_rank}, "
+                f"tensor {name!r}: expected shape {tuple(param.shape)} on {where}, "
                 f"found {tuple(value.shape)}"
             )
         with torch.no_grad():
