@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_specdec.layers.small_rows_linear import small_rows_linear
+from megatron_specdec.layers.linear_kernels import weight_left as small_rows_linear
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "fc1": (3072, 576), "fc2": (576, 1536),
           "lm_head": (49152, 576)}

@@ -6,6 +6,8 @@ rotated-key cache equals one full forward; a left-padded batch gives each row it
 greedy output, and rows that finish leave a greedy batch without changing the others';
 padding never puts NaN in the cache."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,15 +23,100 @@ def model():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 128, 300])
-def test_small_rows_linear_equals_f_linear(rows):
-    from megatron_specdec.layers.small_rows_linear import rows_linear, small_rows_linear
+def test_every_product_equals_f_linear(rows):
+    from megatron_specdec.layers.linear_kernels import candidates, CANDIDATES
+    from megatron_specdec.layers.small_rows_linear import rows_linear
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, 96, generator=g)[:, :, :64]  # a non-contiguous input
     w = torch.randn(80, 64, generator=g)
-    for out in (small_rows_linear(x, w), rows_linear(x, w)):
+    outs = [CANDIDATES[name](x, w) for name in candidates(torch.float32)] + [rows_linear(x, w)]
+    for out in outs:
         assert out.shape == (rows, 1, 80) and out.is_contiguous()
         torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def choice_cache(tmp_path, monkeypatch):
+    """An empty cache directory; measurements are counted, not run (fixed timings)."""
+    from megatron_specdec.layers import linear_kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(linear_kernels.PIN_ENV, raising=False)
+    measured = []
+
+    def fake_times(out_features, in_features, dtype, names, buckets):
+        measured.append((out_features, in_features))
+        # f_linear 3x faster at 1 row, equal elsewhere; weight_left slower at every count.
+        return {name: {b: (3.0 if name == "skinny" and b == 1 else
+                           2.0 if name == "weight_left" else 1.0) for b in buckets}
+                for name in names}
+
+    monkeypatch.setattr(linear_kernels, "time_candidates", fake_times)
+    linear_kernels.reset()
+    yield linear_kernels, measured
+    linear_kernels.reset()
+
+
+def test_kernel_choice_is_measured_once_then_read_from_the_cache(choice_cache):
+    kernels, measured = choice_cache
+    w = torch.randn(24, 16)
+    fn = kernels.product(w, 1)
+    assert all(kernels.product(w, rows) is fn for rows in range(1, kernels.INVARIANT_ROWS + 1))
+    assert kernels.product(w, 100) is kernels.CANDIDATES[
+        "skinny" if "skinny" in kernels.candidates(w.dtype) else "f_linear"]
+    assert measured == [(24, 16)]
+    kernels.reset()  # a new process: the choice comes from the file, nothing is timed
+    assert kernels.product(w, 3) is fn and measured == [(24, 16)]
+    path = kernels.cache_path(kernels.machine())
+    assert json.loads(path.read_text())["machine"] == kernels.machine()
+
+
+def test_kernel_choice_keeps_the_row_invariant_product_within_its_margin():
+    from megatron_specdec.layers.linear_kernels import SMALL_BUCKETS, WIDE_BUCKETS, choose
+
+    buckets = SMALL_BUCKETS + WIDE_BUCKETS
+    near = {"skinny": {b: 1.05 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
+    assert choose(near)["small"] == "skinny" and choose(near)["wide"][32] == "f_linear"
+    far = {"skinny": {b: 2.0 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
+    assert choose(far)["small"] == "f_linear"
+
+
+@pytest.mark.parametrize("foreign", [{"cpu": "Intel(R) Xeon(R) Platinum 8488C"},
+                                     {"torch": "2.9.0+cpu"}, {"kernel": "0123456789abcdef"}])
+def test_kernel_choice_refuses_a_foreign_entry_and_measures_again(choice_cache, foreign):
+    kernels, measured = choice_cache
+    key = kernels.machine()
+    path = kernels.cache_path(key)
+    path.parent.mkdir(parents=True)
+    # A cache copied from another machine (or an older torch or kernel), at this one's path.
+    path.write_text(json.dumps({"machine": {**key, **foreign}, "entries": {
+        "24x16/float32": {"small": "weight_left", "wide": {"32": "weight_left", "64":
+                          "weight_left", "128": "weight_left"}}}}))
+    fn = kernels.product(torch.randn(24, 16), 2)
+    assert measured == [(24, 16)] and fn is not kernels.CANDIDATES["weight_left"]
+    assert json.loads(path.read_text())["machine"] == key  # replaced by this machine's
+
+
+def test_kernel_choice_bad_cache_and_pin(choice_cache, monkeypatch):
+    kernels, measured = choice_cache
+    path = kernels.cache_path(kernels.machine())
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    kernels.product(torch.randn(24, 16), 1)
+    assert measured == [(24, 16)]
+    kernels.reset()
+    monkeypatch.setenv(kernels.PIN_ENV, "weight_left")
+    assert kernels.product(torch.randn(8, 4), 1) is kernels.weight_left
+    # A dtype the skinny op does not take falls back to F.linear when it is pinned.
+    kernels.reset()
+    monkeypatch.setenv(kernels.PIN_ENV, "skinny")
+    assert kernels.product(torch.randn(8, 4, dtype=torch.bfloat16), 1) is kernels.f_linear
+    kernels.reset()
+    monkeypatch.setenv(kernels.PIN_ENV, "mkl")
+    with pytest.raises(ValueError, match="SPECDEC_LINEAR='mkl'; expected one of"):
+        kernels.product(torch.randn(8, 4), 1)
+    assert measured == [(24, 16)]
 
 
 def test_sdpa_attention_equals_megatron_dot_product_attention(model):
@@ -70,6 +157,45 @@ def test_decode_over_the_cache_equals_a_full_forward(model):
     parts[-1] = runner.step(tokens[:, 10:11])
     parts.append(runner.step(tokens[:, 11:]))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def skinny_everywhere(monkeypatch):
+    from megatron_specdec.layers import linear_kernels
+
+    if "skinny" not in linear_kernels.candidates(torch.float32):
+        pytest.skip("megatron_specdec._C is not built with skinny_linear")
+    monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny")
+    linear_kernels.reset()
+    yield
+    linear_kernels.reset()
+
+
+def test_verify_forward_equals_plain_steps_bitwise(model, skinny_everywhere):
+    """On the row-invariant product, the logits of a k+1-token verify forward are bitwise those
+    of k+1 plain one-token steps: speculative output equals greedy by construction."""
+    from megatron_specdec.generation import StageRunner
+
+    tokens = torch.randint(0, HF["vocab_size"], (1, 28), generator=torch.Generator().manual_seed(6))
+    verify, steps = (StageRunner(model.base, 1, 28, HF["vocab_size"]) for _ in range(2))
+    verify.step(tokens[:, :20])
+    steps.step(tokens[:, :20])
+    together = verify.step(tokens[:, 20:])
+    alone = torch.cat([steps.step(tokens[:, i: i + 1]) for i in range(20, 28)], dim=1)
+    assert torch.equal(together, alone), (together - alone).abs().max()
+
+
+def test_speculative_equals_greedy_on_the_skinny_product(skinny_everywhere, tmp_path):
+    """Every drafter (EAGLE3, Medusa, n-gram; oracle with planned rejections) on the
+    row-invariant product."""
+    from test_speculative_generation import identity_worker
+
+    out = tmp_path / "out.pt"
+    distributed.spawn(identity_worker, 1, 1, 1, str(out))
+    for algo, got in torch.load(out, weights_only=False).items():
+        assert got["plain"].tokens == got["greedy"], algo
+        if "oracle" in got:
+            assert got["oracle"].tokens == got["greedy"], algo
 
 
 def test_left_padded_batch_rows_equal_their_batch_1_output(model):

@@ -33,12 +33,18 @@ _EXT_ERROR = _load_extension()
 _warned = False
 
 
-def extension_available(device=torch.device("cpu")):
-    """Whether the fused ops run for tensors on `device`."""
+def op_available(name: str, device=torch.device("cpu")) -> bool:
+    """Whether torch.ops.megatron_specdec.<name> has a kernel for tensors on `device` (an
+    extension built before the op existed has none)."""
     if _EXT_ERROR is not None:
         return False
     key = "CUDA" if torch.device(device).type == "cuda" else "CPU"
-    return torch._C._dispatch_has_kernel_for_dispatch_key("megatron_specdec::greedy_chain_verify", key)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_specdec::{name}", key)
+
+
+def extension_available(device=torch.device("cpu")):
+    """Whether the fused ops run for tensors on `device`."""
+    return op_available("greedy_chain_verify", device)
 
 
 def _fused(device):

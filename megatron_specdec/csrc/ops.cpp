@@ -1,9 +1,11 @@
-// Registers the acceptance ops as torch.ops.megatron_specdec.* and their CPU kernels.
+// Registers the acceptance ops and the decoding skinny GEMM as torch.ops.megatron_specdec.*
+// with their CPU kernels.
 // The CUDA kernels register themselves in ops_cuda.cpp (CUDA builds only).
 #include <Python.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#include "skinny_gemm.h"
 
 // Importing megatron_specdec._C loads the library, which runs the registrations below.
 extern "C" PyObject* PyInit__C(void) {
@@ -28,6 +30,8 @@ TORCH_LIBRARY(megatron_specdec, m) {
   m.def(
       "typical_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens, float temperature, float eps, "
       "float alpha) -> (Tensor, Tensor)");
+  m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
 }
 
 TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
@@ -37,4 +41,5 @@ TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
   m.impl("tree_verify_greedy", &specdec::tree_verify_greedy_cpu);
   m.impl("tree_verify_stochastic", &specdec::tree_verify_stochastic_cpu);
   m.impl("typical_verify", &specdec::typical_verify_cpu);
+  m.impl("skinny_linear", &specdec::skinny_linear_cpu);
 }

@@ -21,6 +21,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
+from megatron_specdec.layers.linear_kernels import INVARIANT_ROWS
+
+
+# A batch-1 causal chain up to this long attends query by query (DecodeSelfAttention): the
+# rows over which the decoding linears are row-invariant (layers/linear_kernels.py).
+PER_QUERY_ROWS = INVARIANT_ROWS
+
 
 class DecodeCache(StaticInferenceContext):
     """Preallocated keys (after RoPE) and values per layer, [max_length, b, groups, head_dim],
@@ -41,10 +48,13 @@ class DecodeCache(StaticInferenceContext):
         self._slots: Optional[Tensor] = None  # [s, b] where the new tokens go
         self._advance = None
         self._end = 0
+        # Batch 1, causal, a few tokens (a chain verify): the cache end each query sees.
+        self.query_ends: Optional[list] = None
 
     def place(self, s: int, device, counts: Optional[Tensor] = None) -> Tensor:
         """Slots [b, s] of the next forward (class notes); `commit` then advances each row by
         its real count."""
+        self.query_ends = None
         j = torch.arange(s)
         if counts is None:
             slots = self.lengths[:, None] + j
@@ -63,10 +73,13 @@ class DecodeCache(StaticInferenceContext):
     def causal_mask(self, slots: Tensor) -> Optional[Tensor]:
         """[b, 1, s, end] True where a query at `slots` [b, s] may not attend (a later slot:
         a later token, or a slot beyond its row's length); None when nothing is masked (one
-        token per row, all rows of one length)."""
-        s = slots.shape[1]
+        token per row, all rows of one length). A batch-1 chain of up to PER_QUERY_ROWS
+        tokens also sets `query_ends` (DecodeSelfAttention)."""
+        b, s = slots.shape
         if s == 1 and bool((self.lengths == self.lengths[0]).all()):
             return None
+        if b == 1 and s <= PER_QUERY_ROWS:
+            self.query_ends = (slots[0] + 1).tolist()
         keys = torch.arange(self._end, device=slots.device)
         return (keys[None, None, :] > slots[:, :, None])[:, None]
 
@@ -162,8 +175,18 @@ class DecodeSelfAttention(SelfAttention):
             query = apply_rotary_pos_emb(query, freqs, config=self.config)
             key = apply_rotary_pos_emb(key, freqs, config=self.config)
         keys, values = inference_context.append(self.layer_number, key, value)
-        context = self.core_attention(query, keys, values, attention_mask,
-                                      attn_mask_type=AttnMaskType.arbitrary)
+        ends = inference_context.query_ends
+        if ends is None:
+            context = self.core_attention(query, keys, values, attention_mask,
+                                          attn_mask_type=AttnMaskType.arbitrary)
+        else:
+            # Each query of a batch-1 chain as the one-token step at its position runs it:
+            # the kernel's result for a query depends on how many share the call, so this
+            # keeps a verify forward's attention bitwise equal to plain decoding's.
+            context = torch.cat([
+                self.core_attention(query[i: i + 1], keys[:end], values[:end], None,
+                                    attn_mask_type=AttnMaskType.arbitrary)
+                for i, end in enumerate(ends)])
         return self.linear_proj(context)
 
 

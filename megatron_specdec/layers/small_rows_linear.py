@@ -1,31 +1,16 @@
-"""Column/RowParallelLinear whose no-grad forward over a few rows puts the weight on the left.
+"""Column/RowParallelLinear whose no-grad forward over a few rows takes the product measured
+fastest on this machine (layers/linear_kernels.py).
 
-Decoding multiplies 1-16 rows by each weight. CPU GEMM libraries handle `x @ W.T` with so few
-rows far below memory bandwidth (a single row takes a slow matrix-vector path), while the
-same product as `W @ x.T` with at least two rows streams the weight near bandwidth
-(bench/bench_linear.py measures both orders). Training, and any forward that tracks
-gradients or has many rows, takes megatron's own path unchanged.
+Decoding multiplies 1-16 rows (a step, a verify forward) by each weight, where CPU GEMM
+libraries run far below memory bandwidth, by amounts that differ from one CPU to the next.
+Training, any forward that tracks gradients, and wide calls (a prefill) take megatron's path.
 """
 
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-# Up to here: 2-4x faster at 1-4 rows, 0.8-1.3x at 8-128 (bench/bench_linear.py); one cut-over
-# far above a verify forward's rows keeps verify and plain steps on the same kernels.
-MAX_ROWS = 128
-
-
-def small_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T for a handful of rows, as `weight @ x.T`; one row is
-    doubled, since the two-row product is the fast one (and an expanded, stride-0 operand
-    takes a slow path: it is copied)."""
-    rows = x.reshape(-1, x.shape[-1])
-    single = rows.shape[0] == 1
-    if single:
-        rows = rows.expand(2, -1).contiguous()
-    out = torch.mm(weight, rows.t()).t()
-    # Contiguous: a tensor-parallel all-reduce works in place on the result.
-    return (out[:1] if single else out).contiguous().view(*x.shape[:-1], weight.shape[0])
+from megatron_specdec.layers.linear_kernels import MAX_ROWS, product
 
 
 def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -34,16 +19,16 @@ def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T by whichever product suits the row count (no bias)."""
+    """x @ weight.T (no bias) by the product this machine runs fastest for the row count."""
     if uses_small_rows(x, weight):
-        return small_rows_linear(x, weight)
-    return torch.nn.functional.linear(x, weight)
+        return product(weight, x.numel() // max(1, x.shape[-1]))(x, weight)
+    return F.linear(x, weight)
 
 
 class _SmallRowsMixin:
     def _forward_impl(self, input, weight, bias=None, *args, **kwargs):
         if uses_small_rows(input, weight) and not kwargs.get("sequence_parallel", False):
-            out = small_rows_linear(input, weight)
+            out = rows_linear(input, weight)
             return out if bias is None else out + bias
         return super()._forward_impl(input, weight, bias, *args, **kwargs)
 

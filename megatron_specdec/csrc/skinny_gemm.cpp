@@ -1,0 +1,285 @@
+// Skinny GEMM of decoding (see skinny_gemm.h).
+//
+// Output features are split into blocks of kOut weight rows, spread over torch's intra-op
+// (OpenMP) threads. A block's weight rows are streamed from memory once and, while they sit in
+// L1, multiplied by every row of x, a few rows per pass (an ISA's kRows: the accumulators fill
+// its vector registers). Each output element keeps one vector accumulator over K (lane i holds
+// k = i mod lanes), a masked tail, then a fixed horizontal sum: the same order whatever M, the
+// pass a row falls in, or the thread, which is what makes the op row-invariant. The ISA path
+// is picked once per process from the CPU (GCC target attributes, no -march in the build).
+#include "skinny_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SPECDEC_X86 1
+#endif
+
+namespace specdec {
+namespace {
+
+constexpr int kOut = 4;  // weight rows per block (streams from memory at once)
+
+struct Operands {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t ldw;
+  int64_t k;
+  float* y;
+  int64_t ldy;
+};
+
+// Reference path (no vector ISA): one sequential sum per output element.
+struct Scalar {
+  static constexpr int kRows = 4;
+  template <int NB, int MB>
+  static void block(const Operands& o) {
+    float acc[MB][NB] = {};
+    for (int64_t k = 0; k < o.k; ++k) {
+      for (int m = 0; m < MB; ++m) {
+        for (int n = 0; n < NB; ++n) acc[m][n] += o.w[n * o.ldw + k] * o.x[m * o.ldx + k];
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int n = 0; n < NB; ++n) o.y[m * o.ldy + n] = acc[m][n];
+    }
+  }
+};
+
+#ifdef SPECDEC_X86
+// 32 zmm registers: 4x4 accumulators, 4 weight vectors and one x vector.
+struct Avx512 {
+  static constexpr int kRows = 4;
+
+  __attribute__((target("avx512f"))) static inline float sum(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+
+  template <int NB, int MB>
+  __attribute__((target("avx512f"))) static void block(const Operands& o) {
+    __m512 acc[MB][NB];
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 16 <= o.k; k += 16) {
+      __m512 wv[NB];
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(o.w + n * o.ldw + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xv = _mm512_loadu_ps(o.x + m * o.ldx + k);
+#pragma GCC unroll 4
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(wv[n], xv, acc[m][n]);
+      }
+    }
+    if (k < o.k) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (o.k - k)) - 1u);
+      __m512 wv[NB];
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, o.w + n * o.ldw + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, o.x + m * o.ldx + k);
+#pragma GCC unroll 4
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(wv[n], xv, acc[m][n]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int n = 0; n < NB; ++n) o.y[m * o.ldy + n] = sum(acc[m][n]);
+    }
+  }
+};
+
+// 16 ymm registers: 4x2 accumulators, 4 weight vectors and one x vector.
+struct Avx2 {
+  static constexpr int kRows = 2;
+
+  __attribute__((target("avx2,fma"))) static inline float sum(__m256 v) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  }
+
+  template <int NB, int MB>
+  __attribute__((target("avx2,fma"))) static void block(const Operands& o) {
+    __m256 acc[MB][NB];
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) {
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 8 <= o.k; k += 8) {
+      __m256 wv[NB];
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(o.w + n * o.ldw + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xv = _mm256_loadu_ps(o.x + m * o.ldx + k);
+#pragma GCC unroll 4
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
+      }
+    }
+    if (k < o.k) {
+      alignas(32) int32_t lanes[8];
+      for (int i = 0; i < 8; ++i) lanes[i] = (k + i < o.k) ? -1 : 0;
+      const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+      __m256 wv[NB];
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(o.w + n * o.ldw + k, mask);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xv = _mm256_maskload_ps(o.x + m * o.ldx + k, mask);
+#pragma GCC unroll 4
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int n = 0; n < NB; ++n) o.y[m * o.ldy + n] = sum(acc[m][n]);
+    }
+  }
+};
+#endif
+
+// The last r (< Isa::kRows) rows of x against NB weight rows.
+template <typename Isa, int NB, int MB>
+void tail_rows(int64_t r, const Operands& o) {
+  if constexpr (MB > 0) {
+    if (r == MB) {
+      Isa::template block<NB, MB>(o);
+    } else {
+      tail_rows<Isa, NB, MB - 1>(r, o);
+    }
+  }
+}
+
+// Every row of x (rows) against NB weight rows starting at o.w, writing o.y[:, 0:NB].
+template <typename Isa, int NB>
+void all_rows(int64_t rows, Operands o) {
+  int64_t m = 0;
+  for (; m + Isa::kRows <= rows; m += Isa::kRows) {
+    Isa::template block<NB, Isa::kRows>(o);
+    o.x += Isa::kRows * o.ldx;
+    o.y += Isa::kRows * o.ldy;
+  }
+  tail_rows<Isa, NB, Isa::kRows - 1>(rows - m, o);
+}
+
+template <typename Isa>
+void run(const Operands& all, int64_t rows, int64_t out_features) {
+  const int64_t blocks = (out_features + kOut - 1) / kOut;
+  // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kOut * all.k * 4));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kOut;
+      Operands o = all;
+      o.w = all.w + n * all.ldw;
+      o.y = all.y + n;
+      if (n + kOut <= out_features) {
+        all_rows<Isa, kOut>(rows, o);
+        continue;
+      }
+      for (int64_t j = n; j < out_features; ++j, o.w += all.ldw, ++o.y) all_rows<Isa, 1>(rows, o);
+    }
+  });
+}
+
+enum class Path { kScalar, kAvx2, kAvx512 };
+
+const char* name(Path p) {
+  switch (p) {
+    case Path::kAvx512:
+      return "avx512";
+    case Path::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+// The best path this CPU runs; SPECDEC_SKINNY_ISA=avx2|scalar asks for a lower one (tests).
+Path detect() {
+  Path best = Path::kScalar;
+#ifdef SPECDEC_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    best = Path::kAvx512;
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    best = Path::kAvx2;
+  }
+#endif
+  const char* asked = std::getenv("SPECDEC_SKINNY_ISA");
+  if (asked == nullptr || *asked == '\0') return best;
+  for (Path p : {Path::kScalar, Path::kAvx2, Path::kAvx512}) {
+    if (std::strcmp(asked, name(p)) == 0) {
+      TORCH_CHECK(p <= best, "SPECDEC_SKINNY_ISA=", asked, ": this CPU supports at most ", name(best));
+      return p;
+    }
+  }
+  TORCH_CHECK(false, "SPECDEC_SKINNY_ISA=", asked, ": expected one of avx512, avx2, scalar");
+  return best;
+}
+
+Path path() {
+  static const Path chosen = detect();
+  return chosen;
+}
+
+}  // namespace
+
+std::string skinny_linear_isa() { return name(path()); }
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be 2-D [out, in], got shape ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "skinny_linear: x must be [..., ", weight.size(1),
+              "] to match weight ", weight.sizes(), ", got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "skinny_linear: x and weight must be float32, got x ", x.scalar_type(), " and weight ",
+              weight.scalar_type());
+  const int64_t k = weight.size(1);
+  const int64_t out_features = weight.size(0);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  if (k == 0) return at::zeros(sizes, x.options());
+  // Strided rows are read in place; only a non-unit stride along K is copied.
+  const at::Tensor w = (weight.stride(1) == 1 || k == 1) ? weight : weight.contiguous();
+  at::Tensor rows = x.reshape({-1, k});
+  if (k > 1 && rows.stride(1) != 1) rows = rows.contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor y = at::empty({m, out_features}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0 || out_features == 0) return y.view(sizes);
+  const Operands o{rows.data_ptr<float>(), rows.stride(0), w.data_ptr<float>(), w.stride(0), k,
+                   y.data_ptr<float>(), out_features};
+  switch (path()) {
+#ifdef SPECDEC_X86
+    case Path::kAvx512:
+      run<Avx512>(o, m, out_features);
+      break;
+    case Path::kAvx2:
+      run<Avx2>(o, m, out_features);
+      break;
+#endif
+    default:
+      run<Scalar>(o, m, out_features);
+  }
+  return y.view(sizes);
+}
+
+}  // namespace specdec
