@@ -19,10 +19,19 @@ def model_batch(batch: dict, pack: bool) -> dict:
     return {k: v.to(distributed.device()) for k, v in out.items()}
 
 
-def step_batches(raw: list, pack: bool) -> list:
-    """One step's micro-batches in the model's terms, cut after the last non-padding position
-    of any of them: trailing padding changes nothing a real position computes (causal, and
-    positions count from the row start) but costs every layer. Every micro-batch of a step
-    keeps one length, as pipeline schedules require."""
+def step_length(raw: list, bucket: int) -> int:
+    """The positions a step computes: up to the last non-padding position of any micro-batch,
+    rounded up to a multiple of `bucket` (at most the rows' length). Trailing padding changes
+    nothing a real position computes (causal, positions count from the row start) but costs
+    every layer; the rounding bounds the distinct shapes a run sees, because oneDNN (bf16
+    matmuls on the CPU) keeps kernels and buffers per shape and a new length every step
+    grew the process by GBs over a run."""
     length = max(int((b["segment_ids"] > 0).any(0).nonzero().max()) + 1 for b in raw)
+    return min(-(-length // bucket) * bucket, raw[0]["segment_ids"].shape[1])
+
+
+def step_batches(raw: list, pack: bool, bucket: int = 1) -> list:
+    """One step's micro-batches in the model's terms, cut to `step_length`. Every micro-batch
+    of a step keeps one length, as pipeline schedules require."""
+    length = step_length(raw, bucket)
     return [model_batch({k: v[:, :length] for k, v in b.items()}, pack) for b in raw]

@@ -19,6 +19,7 @@ renamed aside to `<name>.corrupt` (never deleted), and the previous good one is 
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_specdec import checkpoint, pickle_guard
 from megatron_specdec.distributed import device
-from megatron_specdec.training import base_fingerprint
+from megatron_specdec.training import base_fingerprint, data_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +117,43 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
                   world_size=dist.get_world_size(), trainer=asdict(state),
                   adam_step=max_over_world(optimizer.adam_step()),
                   loss_scale=optimizer.loss_scale_state())
-    checkpoint.save_checkpoint(model, path, dict(meta, training_checkpoint=record),
-                               overwrite=True,
-                               sharded_state_dict=_sharded_state(model, optimizer, rng_tensors()))
+    try:
+        checkpoint.save_checkpoint(model, path, dict(meta, training_checkpoint=record),
+                                   overwrite=True,
+                                   sharded_state_dict=_sharded_state(model, optimizer,
+                                                                     rng_tensors()))
+        if dist.get_rank() == 0:
+            _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
+    except Exception as e:
+        raise checkpoint.CheckpointError(
+            f"writing checkpoint {path} failed ({_write_failure(e)}); {LATEST} still names "
+            f"{_latest_name(directory)}, which a resume uses") from e
     if dist.get_rank() == 0:
-        _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
         checkpoint.write_text_atomic(Path(directory) / LATEST, path.name + "\n")
         for old in checkpoints_in(directory, with_manifest=True)[keep_last:]:
             checkpoint.remove_dir(old)
     dist.barrier()
     return path
+
+
+def _write_failure(e: BaseException) -> str:
+    """The OS error under a failed write (dist_checkpointing wraps it), or the error itself."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return f"{os.strerror(seen.errno)}: disk full or a file-size limit?" if \
+                seen.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else str(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if os.strerror(code) in text:
+            return f"{os.strerror(code)}: disk full or a file-size limit?"
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _latest_name(directory) -> str:
+    latest = Path(directory) / LATEST
+    return latest.read_text().strip() if latest.is_file() else "no checkpoint"
 
 
 def max_over_world(value: float) -> float:
@@ -173,13 +201,29 @@ def check_base(path, meta: dict, fingerprint: dict):
             f"over the same base and model.dtype, or use another checkpointing.directory")
 
 
-def load(path, model, optimizer, fingerprint: dict) -> TrainerState:
+def check_data(path, meta: dict, fingerprint: dict):
+    """Refuse to resume over training data other than the checkpoint's, naming the files
+    (a checkpoint saved before data was fingerprinted has nothing to compare)."""
+    saved = meta["training_checkpoint"].get("data")
+    diff = data_fingerprint.differences(saved, fingerprint) if saved is not None else []
+    if diff:
+        raise checkpoint.CheckpointError(
+            f"{path} was trained on other data: {'; '.join(diff)}; the resumed position "
+            f"would point into another stream: restore the files, or train the new data from "
+            f"this checkpoint as a new run (model.path=<checkpoint export>, another "
+            f"checkpointing.directory)")
+
+
+def load(path, model, optimizer, fingerprint: dict, data: Optional[dict] = None) -> TrainerState:
     """Restore draft weights, optimizer state and RNG from a verified checkpoint (any
-    layout) trained over the base whose `fingerprint` is given."""
+    layout) trained over the base whose `fingerprint` is given, on the data `data`
+    (data_fingerprint; None: not checked)."""
     meta = checkpoint.read_meta(path)
     _refuse_objects(path)
     check_compatible(path, meta, model)
     check_base(path, meta, fingerprint)
+    if data is not None:
+        check_data(path, meta, data)
     record = meta["training_checkpoint"]
     same_world = record["world_size"] == dist.get_world_size()
     template = _sharded_state(model, optimizer, rng_tensors() if same_world else None)

@@ -49,6 +49,9 @@ class DataConfig:
     seq_length: int = 2048
     pack: bool = True
     seed: int = 0
+    # A step computes up to its last real position rounded up to a multiple of this (1 = no
+    # rounding): bounded shapes keep per-shape kernel caches (oneDNN, bf16) from growing.
+    length_bucket: int = 64
     on_error: str = "skip"  # a bad jsonl row: skip (reported with file:line) or fail
     tokenizer: Optional[str] = None  # default: the model's tokenizer and chat template
     # EAGLE3 draft vocabulary from token counts of these files (default: `train`).
@@ -171,6 +174,7 @@ def validate(r: Recipe):
            f"{r.draft.algo!r}; expected one of {TRAINABLE}")
     _check(len(r.data.train) > 0, "data.train", "needs at least one jsonl file")
     _check(r.data.seq_length >= 4, "data.seq_length", "must be >= 4")
+    _check(r.data.length_bucket >= 1, "data.length_bucket", "must be >= 1 (1 = no rounding)")
     _check(r.data.on_error in ("skip", "fail"), "data.on_error", "expected skip or fail")
     _check(r.optimizer.lr > 0, "optimizer.lr", "must be > 0")
     _check(0 <= r.optimizer.min_lr <= r.optimizer.lr, "optimizer.min_lr", "must be in [0, lr]")

@@ -3,12 +3,15 @@ pipeline schedule (the base frozen, gradients only in the draft), data-parallel 
 averaging, global-norm clipping, AdamW on fp32 master weights, the lr schedule as a pure
 function of the step.
 Checkpoints every `checkpointing.interval` steps and at the end, or at the step where the run's
-wall time passes `training.exit_duration_mins` (Megatron's --exit-duration-in-mins, agreed by
-all ranks so every rank stops at the same step); the trained model is written
+wall time passes `training.exit_duration_mins` (Megatron's --exit-duration-in-mins) or a
+SIGTERM arrived (agreed by all ranks so every rank stops at the same step; a SIGTERM run
+writes no final/, the scheduler's grace time being short); the trained model is written
 to `<output_dir>/final`: base + draft module as a speculative checkpoint, or a distilled draft
 GPT (`draft.algo: draft_model`) alone as a plain GPT checkpoint."""
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -17,8 +20,9 @@ from megatron.core import parallel_state as ps
 
 from megatron_specdec import checkpoint, distributed
 from megatron_specdec.speculative import save_trained, speculative_meta
-from megatron_specdec.training import (base_fingerprint, checkpoints, evaluation, metrics,
-                                       offline, optimizer, profiling, schedule)
+from megatron_specdec.training import (base_fingerprint, checkpoints, data_fingerprint,
+                                       evaluation, metrics, offline, optimizer, profiling,
+                                       schedule)
 from megatron_specdec.training.batches import step_batches
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
@@ -59,8 +63,34 @@ def _time_is_up(start_time: float, limit_mins: float) -> bool:
     return checkpoints.max_over_world(time.time() - start_time) > limit_mins * 60
 
 
-def train(recipe) -> dict:
-    """Run (or resume) `recipe` in the current process group; returns the summary."""
+class _Termination:
+    """SIGTERM (what Slurm and Kubernetes send before a kill) noted by a handler, acted on
+    between steps: the run checkpoints the step it finished and returns. Ranks agree, since a
+    scheduler may signal them at different moments. Installed only on the main thread (the
+    only one Python delivers signals to); the previous handler comes back on exit."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        self.received = True
+        log.warning("SIGTERM received: checkpointing after this step and stopping")
+
+    def agreed(self) -> bool:
+        return checkpoints.max_over_world(float(self.received)) > 0
+
+    def close(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def train(recipe, on_step=None) -> dict:
+    """Run (or resume) `recipe` in the current process group; returns the summary.
+    `on_step(step)`, if given, is called after each optimizer step (the soak bench samples
+    memory and time there, outside the step it measures)."""
     run_start = time.time()  # the time limit counts setup too, as Megatron's does
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     distributed.initialize(tp, pp, seed=recipe.training.seed)
@@ -76,9 +106,10 @@ def train(recipe) -> dict:
     if opt.scaler is not None:  # float16: megatron's schedules scale the loss through this hook
         model.config.grad_scale_func = opt.scale_loss
     base = base_fingerprint.fingerprint(model.base, meta["hf_config"], recipe.model.dtype)
+    data = data_fingerprint.fingerprint(recipe.data.train)
     state = checkpoints.TrainerState()
     if resume_from is not None:
-        state = checkpoints.load(resume_from, model, opt, base)
+        state = checkpoints.load(resume_from, model, opt, base, data)
         log.info("resumed from %s at step %d", resume_from, state.step)
     from megatron_specdec.data import BatchIterator
 
@@ -91,7 +122,7 @@ def train(recipe) -> dict:
     ckpt_meta = speculative_meta(meta, model.spec_config)
     ckpt_meta = dict(ckpt_meta, training_checkpoint={"draft": ckpt_meta.pop("draft"),
                                                      "base_model": recipe.model.path,
-                                                     "base": base})
+                                                     "base": base, "data": data})
     reporter = metrics.Reporter(recipe, state.step)
     forward_backward = schedule.forward_backward_func(recipe)
     total = recipe.training.steps
@@ -99,48 +130,66 @@ def train(recipe) -> dict:
     start_time, start_step, last = time.time(), state.step, {}
     acceptance, stopped = None, "steps"
     profiler = profiling.StepProfiler(recipe)
-    while state.step < total:
-        profiler.before(state.step)
-        lr = optimizer.lr_at(state.step, recipe.optimizer, total)
-        micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack)
-        opt.zero_grad()
-        reports = forward_backward(model, micro)
-        grad_norm = opt.step(lr)
-        last = metrics.step_stats(reports, metrics.num_draft_steps(model.spec_config))
-        state.step += 1
-        state.consumed_samples = batches.consumed_samples
-        state.tokens += last["tokens"]
-        profiler.after(state.step)
-        reporter.step(state.step, last, lr, grad_norm,
-                      recipe.training.global_batch_size * recipe.data.seq_length)
-        if state.step < total and _time_is_up(run_start, recipe.training.exit_duration_mins):
-            stopped = "time_limit"
-        if (interval and state.step % interval == 0) or state.step == total \
-                or stopped == "time_limit":
-            checkpoints.save(checkpoint_dir(recipe), state.step, model, opt, state, ckpt_meta,
-                             recipe.checkpointing.keep_last)
-        if stopped == "time_limit":
-            log.info("training.exit_duration_mins=%g passed at step %d: stopping",
-                     recipe.training.exit_duration_mins, state.step)
-            break
-        if evaluation.due(recipe, state.step):
-            acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
+    termination = _Termination()
+    try:
+        while state.step < total:
+            profiler.before(state.step)
+            lr = optimizer.lr_at(state.step, recipe.optimizer, total)
+            micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack,
+                                 recipe.data.length_bucket)
+            opt.zero_grad()
+            reports = forward_backward(model, micro)
+            grad_norm = opt.step(lr)
+            last = metrics.step_stats(reports, metrics.num_draft_steps(model.spec_config))
+            state.step += 1
+            state.consumed_samples = batches.consumed_samples
+            state.tokens += last["tokens"]
+            profiler.after(state.step)
+            if on_step is not None:
+                on_step(state.step)
+            reporter.step(state.step, last, lr, grad_norm,
+                          recipe.training.global_batch_size * recipe.data.seq_length)
+            if state.step < total:
+                if _time_is_up(run_start, recipe.training.exit_duration_mins):
+                    stopped = "time_limit"
+                elif termination.agreed():
+                    stopped = "sigterm"
+            if (interval and state.step % interval == 0) or state.step == total \
+                    or stopped != "steps":
+                checkpoints.save(checkpoint_dir(recipe), state.step, model, opt, state,
+                                 ckpt_meta, recipe.checkpointing.keep_last)
+            if stopped != "steps":
+                log.info("%s at step %d: checkpointed, stopping", stopped, state.step)
+                break
+            if evaluation.due(recipe, state.step):
+                acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
+    except dist.DistError as e:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: a collective failed after step {state.step} (another "
+            f"rank has probably stopped): {str(e).splitlines()[0] if str(e) else e!r}; "
+            f"resume from the newest checkpoint in {checkpoint_dir(recipe)}") from e
+    finally:
+        termination.close()
     profiler.close(state.step)
     final = Path(recipe.output_dir) / FINAL_DIR
-    save_trained(model, final, meta, tokenizer_dir,
-                 {"base_model": recipe.model.path, "data": list(recipe.data.train),
-                  "steps": state.step, "scored_tokens": state.tokens})
+    if stopped == "sigterm":  # the scheduler's grace time is short: the checkpoint resumes
+        final = None
+    else:
+        save_trained(model, final, meta, tokenizer_dir,
+                     {"base_model": recipe.model.path, "data": list(recipe.data.train),
+                      "steps": state.step, "scored_tokens": state.tokens})
     elapsed = time.time() - start_time
     summary = {
         "steps": state.step, "steps_this_run": state.step - start_step,
         "consumed_samples": state.consumed_samples, "scored_tokens": state.tokens,
         "seconds_this_run": elapsed, "resumed_from": str(resume_from) if resume_from else None,
         "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
-        "acceptance": acceptance, "final_checkpoint": str(final),
+        "acceptance": acceptance, "final_checkpoint": final and str(final),
         "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(dataset),
         "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": dp,
         "algo": model.spec_config.algo, "mode": recipe.training.mode,
-        "stopped": stopped,  # steps: training.steps reached; time_limit: exit_duration_mins
+        # steps: training.steps reached; time_limit: exit_duration_mins; sigterm: a SIGTERM
+        "stopped": stopped,
     }
     reporter.close(summary)
     return summary

@@ -1,0 +1,214 @@
+"""Soak: N optimizer steps of a training recipe in this process while sampling, after every
+step, the resident memory (RSS), glibc's heap (mallinfo2), the Python heap (allocated blocks;
+tracemalloc's traced bytes with --tracemalloc, which slows Python) and the step's wall and
+CPU time. Reports the growth from step --from-step to the end as slopes of a least-squares
+line (MB and ms per 100 steps) and as the relative change of the line's value, and writes the
+JSON (rewritten every --flush steps, so a cut-off run keeps what it measured) and a plot.
+
+    python bench/bench_soak.py --name soak_bf16_seq128 --config recipes/eagle3_smollm2.yaml \\
+        data.seq_length=128 training.global_batch_size=1 training.steps=1000
+
+Wall time per step moves with whatever else the machine runs; CPU time per step (this
+process, all threads) moves much less, so both are reported."""
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Quiet, cheap and checkpoint-free unless the command line says otherwise.
+SOAK_DEFAULTS = ["logging.progress_bar=false", "logging.tensorboard=false",
+                 "logging.interval=50", "evaluation.interval=0", "checkpointing.interval=0",
+                 "checkpointing.resume=false"]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo():
+    """glibc's mallinfo2 (None where the C library has none, e.g. musl or jemalloc preloaded
+    without it)."""
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Sampler:
+    """The per-step record: called by the trainer after each step."""
+
+    def __init__(self, out: Path, meta: dict, flush: int, trace: bool):
+        self.out, self.meta, self.flush, self.trace = out, meta, flush, trace
+        self.mallinfo = _mallinfo()
+        self.rows = []
+        self.last = (time.perf_counter(), time.process_time())
+
+    def __call__(self, step: int):
+        wall, cpu = time.perf_counter(), time.process_time()
+        row = {"step": step, "wall_s": wall - self.last[0], "cpu_s": cpu - self.last[1],
+               "rss_mb": rss_bytes() / 2**20, "py_blocks": sys.getallocatedblocks()}
+        if self.mallinfo is not None:
+            m = self.mallinfo()
+            row["heap_mb"] = (m.arena + m.hblkhd) / 2**20  # obtained from the OS (brk + mmap)
+            row["heap_used_mb"] = (m.uordblks + m.hblkhd) / 2**20
+        if self.trace:
+            row["py_traced_mb"] = tracemalloc.get_traced_memory()[0] / 2**20
+        self.rows.append(row)
+        if step % self.flush == 0:
+            self.write()
+        self.last = (time.perf_counter(), time.process_time())
+
+    def write(self, summary=None):
+        doc = dict(self.meta, analysis=analyse(self.rows, self.meta["from_step"]),
+                   summary=summary, steps=self.rows)
+        tmp = self.out.with_name(f".{self.out.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(self.out)
+
+
+def _line(xs, ys):
+    """Least-squares slope and intercept."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return slope, my - slope * mx
+
+
+def analyse(rows: list, from_step: int) -> dict:
+    """Per quantity: slope per 100 steps from `from_step` on, the fitted line's value at
+    `from_step` and at the end, their relative change, and the first/last 50-step medians."""
+    tail = [r for r in rows if r["step"] >= from_step]
+    if len(tail) < 10:
+        return {}
+    out = {"from_step": from_step, "to_step": tail[-1]["step"]}
+    for key, scale, unit in (("rss_mb", 1, "MB"), ("heap_mb", 1, "MB"),
+                             ("py_blocks", 1, "blocks"), ("py_traced_mb", 1, "MB"),
+                             ("wall_s", 1000, "ms"), ("cpu_s", 1000, "ms")):
+        if key not in tail[0]:
+            continue
+        xs = [r["step"] for r in tail]
+        ys = [r[key] * scale for r in tail]
+        slope, icpt = _line(xs, ys)
+        start, end = icpt + slope * xs[0], icpt + slope * xs[-1]
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        out[key] = {f"slope_{unit}_per_100_steps": slope * 100,
+                    "fit_start": start, "fit_end": end,
+                    "growth_pct": 100 * (end - start) / start if start else None,
+                    "median_first_50": med(ys[:50]), "median_last_50": med(ys[-50:])}
+    return out
+
+
+def plot(doc: dict, png: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["steps"]
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    axes[0].plot(steps, [r["rss_mb"] for r in rows], label="RSS")
+    if "heap_mb" in rows[0]:
+        axes[0].plot(steps, [r["heap_mb"] for r in rows], label="glibc heap (arena+mmap)")
+    axes[0].set_ylabel("MB")
+    axes[0].legend()
+    axes[1].plot(steps, [1000 * r["wall_s"] for r in rows], lw=0.5, label="wall")
+    axes[1].plot(steps, [1000 * r["cpu_s"] for r in rows], lw=0.5, label="CPU (all threads)")
+    axes[1].set_ylabel("ms / step")
+    axes[1].legend()
+    axes[2].plot(steps, [r["py_blocks"] for r in rows])
+    axes[2].set_ylabel("Python heap blocks")
+    axes[2].set_xlabel("step")
+    fig.suptitle(f"{doc['name']} ({doc['cpu']}, {doc['commit']})", fontsize=9)
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.stem}.tmp.png")
+    fig.savefig(tmp, dpi=80)
+    tmp.replace(png)
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
+                            "megatron_specdec"], capture_output=True, text=True).stdout.strip()
+    return out + ("+uncommitted" if dirty else "")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", required=True, help="what is measured: bench/results/<name>.json")
+    p.add_argument("--config", default=str(ROOT / "recipes/eagle3_smollm2.yaml"))
+    p.add_argument("--from-step", type=int, default=100,
+                   help="growth is measured from this step to the end (warm-up excluded)")
+    p.add_argument("--flush", type=int, default=25, help="rewrite the JSON every N steps")
+    p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations")
+    p.add_argument("--output-dir", help="the run's output_dir (default: a temporary one)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
+    p.add_argument("overrides", nargs="*", help="recipe key=value overrides")
+    args = p.parse_args(argv)
+    out = ROOT / "bench" / "results" / f"{args.name}.json"
+    png = out.with_suffix(".png")
+    if args.plot_only:
+        plot(json.loads(out.read_text()), png)
+        return
+    from megatron_specdec import distributed
+    from megatron_specdec.training import load_recipe, train
+
+    workdir = args.output_dir or tempfile.mkdtemp(prefix="soak_")
+    overrides = SOAK_DEFAULTS + [f"output_dir={workdir}"] + list(args.overrides)
+    recipe = load_recipe(args.config, overrides)
+    meta = {"name": args.name, "config": os.path.relpath(args.config, ROOT),
+            "overrides": list(args.overrides), "cpu": _cpu_model(), "commit": _commit(),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "torch_threads": __import__("torch").get_num_threads(),
+            "env": {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "LD_PRELOAD",
+                                               "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+                    if k in os.environ},
+            "load_average_start": os.getloadavg(), "from_step": args.from_step}
+    if args.tracemalloc:
+        tracemalloc.start()
+    sampler = Sampler(out, meta, args.flush, args.tracemalloc)
+    try:
+        summary = train(recipe, on_step=sampler)
+    finally:
+        distributed.destroy()
+    meta["load_average_end"] = os.getloadavg()
+    sampler.write({k: summary[k] for k in ("steps", "final_loss", "seconds_this_run")})
+    plot(json.loads(out.read_text()), png)
+    print(json.dumps(analyse(sampler.rows, args.from_step), indent=1))
+
+
+if __name__ == "__main__":
+    main()
