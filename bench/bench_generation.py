@@ -44,15 +44,17 @@ decoding when drafts do not pay.
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
+from bench_linear import describe_machine
 
 from megatron_specdec import distributed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
+# Plain greedy with every decoding linear as `W @ x.T`: the fixed choice before measurement.
+PREVIOUS = "project greedy (W @ x.T pinned)"
 
 
 def build(args):
@@ -103,6 +105,8 @@ def methods(args, model, hf_dir, eos, tree):
         **assisted_runs(args, hf_dir, type(hf_model), eos),
         "project greedy": lambda ids: (
             plain_generate(model.base, [ids], n, model.vocab_size, eos)[0], None),
+        PREVIOUS: pinned("weight_left", lambda ids: (
+            plain_generate(model.base, [ids], n, model.vocab_size, eos)[0], None)),
     }
     drafts = {f"{model.algo} fixed k": SpeculativeGenerator(model, args.num_draft_tokens,
                                                             policy="fixed"),
@@ -116,6 +120,29 @@ def methods(args, model, hf_dir, eos, tree):
     for name, generator in drafts.items():
         runs[name] = spec_runner(generator, n, eos)
     return runs, hf_model
+
+
+def pinned(product, run):
+    """`run` with every decoding linear on `product` (layers/linear_kernels.PIN_ENV), the
+    measured choice restored after it."""
+    from megatron_specdec.layers import linear_kernels
+
+    def call(ids):
+        os.environ[linear_kernels.PIN_ENV] = product
+        linear_kernels.reset()
+        try:
+            return run(ids)
+        finally:
+            del os.environ[linear_kernels.PIN_ENV]
+            linear_kernels.reset()
+
+    return call
+
+
+def read_bytes_per_token(model) -> int:
+    """Bytes of the base's weights a batch-1 decode step reads (the tied embedding once, as
+    the output layer)."""
+    return sum(p.numel() * p.element_size() for p in model.base.parameters())
 
 
 def counted(cls):
@@ -241,6 +268,10 @@ def main():
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
     runs, hf_model = methods(args, model, hf_dir, eos, tree)
+    about = describe_machine()
+    bound = about["read_bandwidth_gb_s"] * 1e9 / read_bytes_per_token(model)
+    for run in runs.values():  # first use: the kernel choice measures each new weight shape
+        run(prompts[0][1][:16])
     load_before = os.getloadavg()[0]
     stats = {name: {"tokens": 0, "outputs": [], "results": [], "times": []} for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
@@ -290,12 +321,14 @@ def main():
                                                  / type(runs[ASSISTED].target).calls)
     engine = vllm_rows(served_base, prompts, eos, base["outputs"], hf_rate, own_rate, args)
     report.update(engine)
+    for row in report.values():
+        row["of_bandwidth_bound"] = row["tokens_per_s"] / bound
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args)
     result = {
         "model": what,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-                   f"{os.cpu_count()} cpus",
+        "machine": about,
+        "bandwidth_bound_tokens_per_s": bound,
         "layout": "TP=1 PP=1, batch 1, float32, greedy",
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "prompts": f"{args.data}: every {args.every}th first turn, {len(prompts)} prompts",
@@ -310,11 +343,14 @@ def main():
     plot(report, out.with_suffix(".png"), what)
     print(f"\n{what}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'AL':>6}{'drafted':>8}"
+    print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, commit "
+          f"{about['commit']}; read bandwidth {about['read_bandwidth_gb_s']:.1f} GB/s: batch-1 "
+          f"bound {bound:.1f} tokens/s")
+    print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'bound':>7}{'AL':>6}{'drafted':>8}"
           f"{'same':>6}  time: draft/base/rest")
     for name, row in report.items():
         line = (f"{name:36}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
-                f"{row['vs_project_greedy']:>8.2f}")
+                f"{row['vs_project_greedy']:>8.2f}{row['of_bandwidth_bound']:>7.2f}")
         if "time_share" in row:
             share = row["time_share"]
             line += (f"{row['acceptance_length']:>6.2f}{row['mean_drafted']:>8.2f}"

@@ -1,38 +1,71 @@
-"""Operand order for the few-row products of decoding: `F.linear(x, W)` (what stock
-transformers and megatron run) against `W @ x.T` (layers/small_rows_linear.py), for
-SmolLM2's weight shapes and 1-128 rows. Each cell multiplies by 30 distinct weights (one per
-layer, so the weights stream from memory as in a decode step; the lm_head once).
+"""The few-row products of decoding against the machine's memory bandwidth: the skinny op
+(csrc/skinny_gemm.cpp), `F.linear` (what stock transformers and megatron run) and `W @ x.T`,
+for every weight shape of SmolLM2-135M and of an 8B Llama (Llama 3.1 8B) at 1-16 rows.
 
-    python bench/bench_linear.py [--repeats 15]
+A weight smaller than twice the L3 is multiplied as distinct copies in turn, so it streams
+from memory as in a decode step (layers/linear_kernels.time_candidates). Each cell prints
+milliseconds a product and its fraction of the read bound (weight bytes / measured read
+bandwidth: 1.0 = at the bound), and which product the kernel choice takes for the shape.
 
-Prints milliseconds per 30 products and writes bench/results/linear.json.
+    python bench/bench_linear.py [--models smollm2 llama8b] [--rows 1 2 4 8 16] [--repeats 3]
+
+Writes bench/results/linear.json with the CPU model, its flags, threads, the measured read
+bandwidth, the skinny op's ISA path, the commit and the load average.
 """
 import argparse
 import json
 import os
-import platform
+import subprocess
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from megatron_specdec.layers.linear_kernels import weight_left as small_rows_linear
+from megatron_specdec.layers.linear_kernels import (
+    SMALL_BUCKETS,
+    WIDE_BUCKETS,
+    candidates,
+    choose,
+    machine,
+    time_candidates,
+)
 
-SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "fc1": (3072, 576), "fc2": (576, 1536),
-          "lm_head": (49152, 576)}
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+SHAPES = {
+    "smollm2": {"qkv": (960, 576), "o_proj": (576, 576), "fc1": (3072, 576),
+                "fc2": (576, 1536), "lm_head": (49152, 576)},
+    "llama8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "fc1": (28672, 4096),
+                "fc2": (4096, 14336), "lm_head": (128256, 4096)},
+}
 
 
-def quantile_ms(fn, repeats):
-    """Lower-quartile wall time: less sensitive than the median to other work on the machine."""
-    fn()
-    times = []
+def read_bandwidth_gbs(mib: int = 256, repeats: int = 7) -> float:
+    """GB/s of a sum over `mib` MiB of float32 on torch's threads (best of `repeats`): the
+    streaming read a batch-1 decode step is bound by."""
+    data = torch.ones(mib * (1 << 20) // 4)
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 4] * 1e3
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                             capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True).stdout.strip()
+        return rev + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def describe_machine() -> dict:
+    """What every speed figure of the project names: CPU, flags, threads, torch, commit."""
+    return {**machine(), "read_bandwidth_gb_s": read_bandwidth_gbs(), "commit": commit(),
+            "load_average_1min": os.getloadavg()[0]}
 
 
 def main():
@@ -40,28 +73,47 @@ def main():
 
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    p.add_argument("--rows", type=int, nargs="+", default=list(SMALL_BUCKETS))
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "linear.json"))
     args = p.parse_args()
+    if min(args.rows) < 1:
+        raise SystemExit(f"--rows {args.rows}: every row count must be >= 1")
     torch.manual_seed(0)
-    load = os.getloadavg()[0]
+    about = describe_machine()
+    bandwidth = about["read_bandwidth_gb_s"]
+    print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, torch "
+          f"{about['torch']}, skinny path {about['kernel'].split('/')[-1]}, commit "
+          f"{about['commit']}; read bandwidth {bandwidth:.1f} GB/s, load {about['load_average_1min']:.1f}")
+    names = candidates(torch.float32)
     results = {}
-    print(f"{'shape':8}{'rows':>6}{'F.linear ms':>13}{'W @ x.T ms':>12}{'ratio':>7}")
-    for name, (out_features, in_features) in SHAPES.items():
-        weights = [torch.randn(out_features, in_features)
-                   for _ in range(1 if name == "lm_head" else 30)]
-        for rows in ROWS:
-            x = torch.randn(rows, in_features)
-            linear = quantile_ms(lambda: [F.linear(x, w) for w in weights], args.repeats)
-            ours = quantile_ms(lambda: [small_rows_linear(x, w) for w in weights], args.repeats)
-            results[f"{name}/{rows}"] = {"f_linear_ms": linear, "weight_left_ms": ours}
-            print(f"{name:8}{rows:>6}{linear:>13.2f}{ours:>12.2f}{linear / ours:>7.2f}")
-    report = {"machine": f"{platform.processor() or platform.machine()}, "
-                         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}",
-              "load_average_1min": [load, os.getloadavg()[0]], "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    print(f"{'shape':18}{'rows':>5}" + "".join(f"{n + ' ms':>15}{'of bound':>9}" for n in names)
+          + "  chosen")
+    for model in args.models:
+        for layer, (out_features, in_features) in SHAPES[model].items():
+            times = time_candidates(out_features, in_features, torch.float32, names,
+                                    tuple(args.rows), args.repeats)
+            bound_ms = out_features * in_features * 4 / (bandwidth * 1e9) * 1e3
+            full = set(SMALL_BUCKETS + WIDE_BUCKETS) <= set(args.rows)
+            chosen = choose(times)["small"] if full else None
+            key = f"{model}/{layer} {out_features}x{in_features}"
+            results[key] = {"bound_ms": bound_ms, "chosen_for_1_to_16_rows": chosen, "rows": {
+                rows: {name: {"ms": times[name][rows], "of_bound": bound_ms / times[name][rows]}
+                       for name in names} for rows in args.rows}}
+            for rows in args.rows:
+                cells = "".join(f"{times[n][rows]:>15.3f}{bound_ms / times[n][rows]:>9.2f}"
+                                for n in names)
+                print(f"{model + '/' + layer:18}{rows:>5}{cells}  {chosen or ''}", flush=True)
+    about["load_average_1min_after"] = os.getloadavg()[0]
+    report = {"machine": about, "what": "ms a product x[rows, in] @ W[out, in].T, float32; "
+              "of_bound = (weight bytes / read bandwidth) / ms", "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ may live on an earlier stage: after each forward that stage sends its capture st
 the last stage (same TP rank), in aux-id order, so the pairwise message order stays fixed.
 """
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_specdec.decoding.draft_policy import COSTS
 from megatron_specdec.generation import StageRunner
 
 
@@ -86,8 +88,11 @@ class BaseRunner:
         """Append tokens [b, s] to the cache (positions, mask and counts: see
         StageRunner.step); the last stage gets a BaseOutput (with `last_only`, the logits of
         the last position only: a prefill needs no others)."""
+        started = time.perf_counter()
         logits = self.stage.step(tokens, last_only=last_only, positions=positions,
                                  attention_mask=attention_mask, counts=counts)
+        if not last_only:  # a prefill is no verify: its cost is not the policy's
+            COSTS.record_base(tokens.shape[1], time.perf_counter() - started)
         captured = self.stage.captured
         last_rank = self.stage.last_rank
         aux = []

@@ -15,9 +15,17 @@ drafted nothing the drafter sits out `backoff` rounds (1, 2, 4, ... up to `max_b
 reset by a round that drafts) and then reads the skipped states in one forward: a draft that
 never pays is asked 6 times in 64 tokens and then once every 33 rounds, and one that is
 confident in stretches is back within a few tokens.
+
+The adaptive policy's threshold is a cost ratio of the machine it runs on, measured online
+(`StepCosts`): drafting one more token costs a draft step plus the extra verify row, and pays
+a whole base step with the probability that the chain up to it is accepted, so it is worth it
+when that probability reaches (draft step + verify row) / base step. Where a verify row is
+cheap (a CPU whose few-row GEMM runs at the bound) the policy drafts longer chains. Until both
+costs are measured it uses DEFAULT_THRESHOLD.
 """
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +34,48 @@ from torch import Tensor
 
 POLICIES = ("adaptive", "fixed")
 DEFAULT_THRESHOLD = 0.3
+# A measured threshold is kept inside these: a noisy first timing never stops drafting for
+# good, nor makes every draft look free.
+THRESHOLD_RANGE = (0.02, 0.9)
+
+
+class StepCosts:
+    """Running wall times of this process's base forwards, by tokens per row (1..max_rows),
+    and of its draft steps; their ratio is the adaptive threshold (module notes)."""
+
+    def __init__(self, decay: float = 0.8, max_rows: int = 16):
+        self.decay, self.max_rows = decay, max_rows
+        self.base = {}  # tokens per row -> seconds
+        self.draft = None
+
+    def _mix(self, old, new):
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def record_base(self, rows: int, seconds: float):
+        if 1 <= rows <= self.max_rows:
+            self.base[rows] = self._mix(self.base.get(rows), seconds)
+
+    def record_draft(self, seconds: float):
+        self.draft = self._mix(self.draft, seconds)
+
+    def threshold(self) -> Optional[float]:
+        """(draft step + one more verify row) / one-token base step, from a least-squares
+        line through the base times; None until a draft step and two row counts are timed."""
+        if self.draft is None or len(self.base) < 2:
+            return None
+        xs, ys = list(self.base), list(self.base.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+                    / sum((x - mx) ** 2 for x in xs))
+        step = my + slope * (1 - mx)
+        if step <= 0:
+            return None
+        low, high = THRESHOLD_RANGE
+        return min(high, max(low, (self.draft + slope) / step))
+
+
+# This process's costs: its base runners and draft chains record into it.
+COSTS = StepCosts()
 
 
 @dataclass(frozen=True)
@@ -33,6 +83,7 @@ class DraftPolicy:
     max_tokens: int
     threshold: Optional[float] = DEFAULT_THRESHOLD  # None: always draft max_tokens
     max_backoff: int = 32
+    measured: bool = False  # the threshold is COSTS' (module notes) once it has one
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -47,23 +98,35 @@ class DraftPolicy:
             return 0
         return min(self.max_backoff, 2 * backoff or 1)
 
+    def current_threshold(self) -> Optional[float]:
+        """The threshold in force now (None: a fixed chain)."""
+        if self.threshold is None or not self.measured:
+            return self.threshold
+        measured = COSTS.threshold()
+        return self.threshold if measured is None else measured
+
     @property
     def tree_floor(self) -> float:
         """The cumulative log-prob a draft tree node needs (tree.grow_tree)."""
-        return float("-inf") if not self.threshold else math.log(self.threshold)
+        threshold = self.current_threshold()
+        return float("-inf") if not threshold else math.log(threshold)
 
     def keeps(self, chain_prob: Tensor) -> Tensor:
         """Per row, whether a draft token whose chain (it and the drafts before it) is
         accepted with probability `chain_prob` [b] is worth drafting and verifying."""
-        if self.threshold is None:
+        threshold = self.current_threshold()
+        if threshold is None:
             return torch.ones_like(chain_prob, dtype=torch.bool)
-        return chain_prob >= self.threshold
+        return chain_prob >= threshold
 
     @classmethod
     def named(cls, name: str, max_tokens: int, threshold: float = DEFAULT_THRESHOLD):
+        """"adaptive": the measured threshold (`threshold` until measured); "fixed": k."""
         if name not in POLICIES:
             raise ValueError(f"draft policy {name!r}; expected one of {POLICIES}")
-        return cls(max_tokens, threshold if name == "adaptive" else None)
+        if name == "fixed":
+            return cls(max_tokens, None)
+        return cls(max_tokens, threshold, measured=True)
 
 
 def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
@@ -77,8 +140,12 @@ def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
     drafts, extras, chain, counts = [], [], 1.0, 0
     for i in range(k):
         if i:
+            started = time.perf_counter()
             logits = advance(drafts[-1])
-        confidence, take = pick(logits)
+            confidence, take = pick(logits)
+            COSTS.record_draft(time.perf_counter() - started)
+        else:
+            confidence, take = pick(logits)
         chain = chain * confidence  # non-increasing: a row that stops stays stopped
         alive = (torch.ones_like(chain, dtype=torch.bool) if policy is None
                  else policy.keeps(chain))

@@ -126,7 +126,7 @@ def _l3_bytes() -> int:
 
 
 def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
-                    repeats: int = 3, max_copies: int = 16) -> dict:
+                    repeats: int = 3, max_copies: int = 64) -> dict:
     """{name: {rows: ms a call}}: the best of `repeats` passes over distinct weight copies
     (together at least twice the L3, so they stream from memory), candidates interleaved so
     that other work on the machine falls on all of them alike."""
