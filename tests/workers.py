@@ -83,11 +83,15 @@ def moe_parity(tp, pp, ep, hf_dirs, prompt_ids, new_tokens, out_file):
         torch.save(results, out_file)
 
 
-def moe_checkpoint_logits(tp, pp, ep, ckpt_dir, prompt_ids, out_file):
-    """Prompt logits of a base checkpoint loaded at TP x PP x EP (dist_checkpointing reshards)."""
+def moe_checkpoint_logits(tp, pp, ep, sources, prompt_ids, out_file):
+    """Prompt logits of each base model source (dist checkpoint or HF directory) loaded at
+    TP x PP x EP: {source: logits} (dist_checkpointing reshards a checkpoint's experts)."""
     distributed.initialize(tp, pp, ep=ep)
-    loaded = load_model(ckpt_dir, with_draft=False)
-    runner = StageRunner(loaded.model, 1, len(prompt_ids), loaded.config.vocab_size)
-    logits = runner.step(torch.tensor([prompt_ids]))
+    results = {}
+    for source in sources:
+        loaded = load_model(source, with_draft=False)
+        runner = StageRunner(loaded.model, 1, len(prompt_ids), loaded.hf_config.vocab_size)
+        logits = runner.step(torch.tensor([prompt_ids]))
+        results[source] = logits[0] if logits is not None else None
     if _moe_writer():
-        torch.save(logits[0], out_file)
+        torch.save(results, out_file)
