@@ -76,7 +76,7 @@ class StageRunner:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)
         mask = self.context.causal_mask(slots) if attention_mask is None else attention_mask
-        self.context.rotary = self.rotary[pos.T][:, :, 0]
+        self.context.set_rotary(self.rotary[pos.T][:, :, 0])
         hidden = self._layers(hidden, mask)
         self.context.commit()
         if not self.last:

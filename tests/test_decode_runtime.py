@@ -276,22 +276,28 @@ def test_folded_grouped_attention_runs_on_a_fused_cuda_kernel(dtype):
 
 def test_adaptive_threshold_is_the_measured_cost_ratio(monkeypatch):
     from megatron_specdec.decoding import draft_policy
-    from megatron_specdec.decoding.draft_policy import DraftPolicy, StepCosts
+    from megatron_specdec.decoding.draft_policy import DraftPolicy, StepCosts, draft_chain
 
     costs = StepCosts(decay=0.5)
     monkeypatch.setattr(draft_policy, "COSTS", costs)
     adaptive, fixed = DraftPolicy.named("adaptive", 4), DraftPolicy.named("fixed", 4)
+    adaptive.draft_cost.decay = 0.5
     assert adaptive.current_threshold() == draft_policy.DEFAULT_THRESHOLD  # nothing timed yet
     for rows, seconds in ((1, 0.040), (3, 0.044), (5, 0.048), (40, 9.0)):  # 40: not a verify
         costs.record_base(rows, seconds)
-    assert costs.threshold() is None  # no draft step timed yet
-    costs.record_draft(0.006)
+    assert adaptive.current_threshold() == draft_policy.DEFAULT_THRESHOLD  # no draft step yet
+    # draft_chain times each draft step into the policy it runs under.
+    pick = (lambda logits: (torch.ones(1), lambda: (torch.zeros(1, dtype=torch.long), None)))
+    draft_chain(3, adaptive, None, lambda tokens: None, pick)
+    assert adaptive.draft_cost.seconds is not None
+    adaptive.draft_cost.seconds = 0.006
     # base step 40 ms, each verify row 2 ms, a draft step 6 ms: (6 + 2) / 40.
     assert adaptive.current_threshold() == pytest.approx(0.2)
     assert adaptive.keeps(torch.tensor([0.25, 0.15])).tolist() == [True, False]
     assert adaptive.tree_floor == pytest.approx(math.log(0.2))
-    costs.record_draft(0.030)  # decayed: 18 ms a draft step -> (18 + 2) / 40
+    adaptive.draft_cost.record(0.030)  # decayed: 18 ms a draft step -> (18 + 2) / 40
     assert adaptive.current_threshold() == pytest.approx(0.5)
     assert fixed.current_threshold() is None and DraftPolicy(4, 0.3).current_threshold() == 0.3
-    costs.record_draft(10.0)  # a draft step slower than anything: capped, drafting resumes
+    assert DraftPolicy.named("adaptive", 4).current_threshold() == 0.3  # another drafter's
+    adaptive.draft_cost.record(10.0)  # a draft step slower than anything: capped
     assert adaptive.current_threshold() == draft_policy.THRESHOLD_RANGE[1]

@@ -20,13 +20,16 @@ The adaptive policy's threshold is a cost ratio of the machine it runs on, measu
 (`StepCosts`): drafting one more token costs a draft step plus the extra verify row, and pays
 a whole base step with the probability that the chain up to it is accepted, so it is worth it
 when that probability reaches (draft step + verify row) / base step. Where a verify row is
-cheap (a CPU whose few-row GEMM runs at the bound) the policy drafts longer chains. Until both
-costs are measured it uses DEFAULT_THRESHOLD.
+cheap (a CPU whose few-row GEMM runs at the bound) the policy drafts longer chains. Base
+forwards are timed for the process (`COSTS`, by BaseRunner), draft steps for each policy (by
+draft_chain: its drafter's own cost). Until both are measured, and for drafters whose drafts
+cost no draft step (n-gram: its gate is on its acceptance-rate estimate), the threshold is
+the configured one.
 """
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -39,29 +42,25 @@ DEFAULT_THRESHOLD = 0.3
 THRESHOLD_RANGE = (0.02, 0.9)
 
 
+def _mix(old: Optional[float], new: float, decay: float) -> float:
+    return new if old is None else decay * old + (1 - decay) * new
+
+
 class StepCosts:
-    """Running wall times of this process's base forwards, by tokens per row (1..max_rows),
-    and of its draft steps; their ratio is the adaptive threshold (module notes)."""
+    """Running wall times of base forwards by tokens per row (1..max_rows)."""
 
     def __init__(self, decay: float = 0.8, max_rows: int = 16):
         self.decay, self.max_rows = decay, max_rows
         self.base = {}  # tokens per row -> seconds
-        self.draft = None
-
-    def _mix(self, old, new):
-        return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def record_base(self, rows: int, seconds: float):
         if 1 <= rows <= self.max_rows:
-            self.base[rows] = self._mix(self.base.get(rows), seconds)
+            self.base[rows] = _mix(self.base.get(rows), seconds, self.decay)
 
-    def record_draft(self, seconds: float):
-        self.draft = self._mix(self.draft, seconds)
-
-    def threshold(self) -> Optional[float]:
+    def threshold(self, draft_seconds: Optional[float]) -> Optional[float]:
         """(draft step + one more verify row) / one-token base step, from a least-squares
         line through the base times; None until a draft step and two row counts are timed."""
-        if self.draft is None or len(self.base) < 2:
+        if draft_seconds is None or len(self.base) < 2:
             return None
         xs, ys = list(self.base), list(self.base.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -71,10 +70,20 @@ class StepCosts:
         if step <= 0:
             return None
         low, high = THRESHOLD_RANGE
-        return min(high, max(low, (self.draft + slope) / step))
+        return min(high, max(low, (draft_seconds + slope) / step))
 
 
-# This process's costs: its base runners and draft chains record into it.
+class DraftCost:
+    """Running wall time of one draft step of a policy's drafter."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay, self.seconds = decay, None
+
+    def record(self, seconds: float):
+        self.seconds = _mix(self.seconds, seconds, self.decay)
+
+
+# This process's base forwards (generation's decoding model): BaseRunner records into it.
 COSTS = StepCosts()
 
 
@@ -83,7 +92,8 @@ class DraftPolicy:
     max_tokens: int
     threshold: Optional[float] = DEFAULT_THRESHOLD  # None: always draft max_tokens
     max_backoff: int = 32
-    measured: bool = False  # the threshold is COSTS' (module notes) once it has one
+    measured: bool = False  # the threshold is the measured cost ratio once there is one
+    draft_cost: DraftCost = field(default_factory=DraftCost, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -102,7 +112,7 @@ class DraftPolicy:
         """The threshold in force now (None: a fixed chain)."""
         if self.threshold is None or not self.measured:
             return self.threshold
-        measured = COSTS.threshold()
+        measured = COSTS.threshold(self.draft_cost.seconds)
         return self.threshold if measured is None else measured
 
     @property
@@ -143,7 +153,8 @@ def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
             started = time.perf_counter()
             logits = advance(drafts[-1])
             confidence, take = pick(logits)
-            COSTS.record_draft(time.perf_counter() - started)
+            if policy is not None:
+                policy.draft_cost.record(time.perf_counter() - started)
         else:
             confidence, take = pick(logits)
         chain = chain * confidence  # non-increasing: a row that stops stays stopped

@@ -10,12 +10,15 @@ so every backend applies it. Every other call (training, megatron's own inferenc
 runs megatron's SelfAttention unchanged.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import (
+    _rotate_half,
+    apply_rotary_pos_emb,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -45,7 +48,10 @@ class DecodeCache(StaticInferenceContext):
         super().__init__(batch_size, max_length)
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # host: real slots per row
         self.rotary: Optional[Tensor] = None  # [s, b|1, 1, rotary dim] of the new tokens
+        self._cos_sin = None
         self._slots: Optional[Tensor] = None  # [s, b] where the new tokens go
+        self._rows: Optional[Tensor] = None  # [s, b] their batch rows
+        self._span = None  # (first, end): the slots when every row takes the same ones
         self._advance = None
         self._end = 0
         # Batch 1, causal, a few tokens (a chain verify): the cache end each query sees.
@@ -68,6 +74,12 @@ class DecodeCache(StaticInferenceContext):
             raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take "
                              f"{self._end}")
         self._slots = slots.T.to(device)
+        first = int(self.lengths[0])
+        # Every row appends at the same slots (batch 1, a decode step of equal rows): the
+        # cache write is a slice copy, not an indexed scatter.
+        self._span = (first, first + s) if counts is None and bool(
+            (self.lengths == first).all()) else None
+        self._rows = torch.arange(self.lengths.numel(), device=device).expand_as(self._slots)
         return slots.to(device)
 
     def causal_mask(self, slots: Tensor) -> Optional[Tensor]:
@@ -82,6 +94,17 @@ class DecodeCache(StaticInferenceContext):
             self.query_ends = (slots[0] + 1).tolist()
         keys = torch.arange(self._end, device=slots.device)
         return (keys[None, None, :] > slots[:, :, None])[:, None]
+
+    def set_rotary(self, freqs: Optional[Tensor]):
+        """RoPE angles [s, b|1, 1, rotary dim] of the next forward's tokens."""
+        self.rotary, self._cos_sin = freqs, None
+
+    def cos_sin(self, dtype) -> Tuple[Tensor, Tensor]:
+        """cos and sin of `rotary`, computed once a forward rather than in every layer (as
+        megatron's unfused RoPE computes them, so the rotation is bitwise its own)."""
+        if self._cos_sin is None or self._cos_sin[0].dtype != dtype:
+            self._cos_sin = (torch.cos(self.rotary).to(dtype), torch.sin(self.rotary).to(dtype))
+        return self._cos_sin
 
     def commit(self):
         """After the forward: every row's length grows by its real count."""
@@ -101,9 +124,12 @@ class DecodeCache(StaticInferenceContext):
             self.key_value_memory_dict[layer_number] = (
                 key.new_zeros(shape), value.new_zeros(shape))
         keys, values = self.key_value_memory_dict[layer_number]
-        rows = torch.arange(key.shape[1], device=key.device).expand_as(self._slots)
-        keys[self._slots, rows] = key
-        values[self._slots, rows] = value
+        if self._span is not None:
+            keys[self._span[0]: self._span[1]] = key
+            values[self._span[0]: self._span[1]] = value
+        else:
+            keys[self._slots, self._rows] = key
+            values[self._slots, self._rows] = value
         return keys[: self._end], values[: self._end]
 
     def compact(self, start, slots: Tensor, counts: Optional[Tensor] = None):
@@ -171,9 +197,14 @@ class DecodeSelfAttention(SelfAttention):
                                    inference_context, **kwargs)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         freqs = inference_context.rotary
-        if freqs is not None:
+        if freqs is not None and (self.config.apply_rope_fusion
+                                  or self.config.multi_latent_attention):
             query = apply_rotary_pos_emb(query, freqs, config=self.config)
             key = apply_rotary_pos_emb(key, freqs, config=self.config)
+        elif freqs is not None:
+            cos, sin = inference_context.cos_sin(query.dtype)
+            query = rotate(query, cos, sin, self.config.rotary_interleaved)
+            key = rotate(key, cos, sin, self.config.rotary_interleaved)
         keys, values = inference_context.append(self.layer_number, key, value)
         ends = inference_context.query_ends
         if ends is None:
@@ -212,6 +243,14 @@ class SDPAttention(DotProductAttention):
         fold = query.is_cuda and (mask is not None or query.dtype == torch.float32)
         out = grouped_sdpa(query, key, value, mask, causal, self.softmax_scale, fold)
         return out.reshape(out.shape[0], out.shape[1], self.hidden_size_per_partition)
+
+
+def rotate(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """megatron's unfused RoPE (rope_utils._apply_rotary_pos_emb_bshd, mscale 1) with cos and
+    sin given: t [s, b, heads, d] rotated over its first cos.shape[-1] channels."""
+    dim = cos.shape[-1]
+    rotated = t[..., :dim] * cos + _rotate_half(t[..., :dim], interleaved) * sin
+    return rotated if dim == t.shape[-1] else torch.cat((rotated, t[..., dim:]), dim=-1)
 
 
 def grouped_sdpa(query, key, value, mask, causal: bool, scale: float, fold: bool) -> Tensor:
