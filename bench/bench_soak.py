@@ -9,7 +9,15 @@ JSON (rewritten every --flush steps, so a cut-off run keeps what it measured) an
         data.seq_length=128 training.global_batch_size=1 training.steps=1000
 
 Wall time per step moves with whatever else the machine runs; CPU time per step (this
-process, all threads) moves much less, so both are reported."""
+process, all threads) moves much less, so both are reported. The first step's times include
+the set-up.
+
+`--kernel bf16|float32` soaks only the linear layers of SmolLM2's decoder (its four weight
+shapes, forward and backward) over row counts drawn like a step's length, 1 to
+data.seq_length, rounded up to data.length_bucket: the growth without the model around it.
+
+    python bench/bench_soak.py --name soak_kernel_bf16_bucket1 --kernel bf16 \
+        data.seq_length=512 data.length_bucket=1 training.steps=600"""
 
 import argparse
 import ctypes
@@ -30,6 +38,12 @@ sys.path.insert(0, str(ROOT))
 SOAK_DEFAULTS = ["logging.progress_bar=false", "logging.tensorboard=false",
                  "logging.interval=50", "evaluation.interval=0", "checkpointing.interval=0",
                  "checkpointing.resume=false"]
+
+
+# The allocator and kernel-cache settings a figure depends on (LRU_CACHE_CAPACITY: ideep's
+# primitive cache in torch's mkldnn ops; ONEDNN_PRIMITIVE_CACHE_CAPACITY: oneDNN's own).
+ENV_KEYS = ("MALLOC_ARENA_MAX", "LD_PRELOAD", "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+            "LRU_CACHE_CAPACITY")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -148,6 +162,34 @@ def plot(doc: dict, png: Path):
     tmp.replace(png)
 
 
+# SmolLM2-135M's decoder linears (in, out): fused QKV (9 + 2x3 heads of 64), attention
+# output, gated MLP up (2 x 1536), MLP down.
+KERNEL_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
+
+
+def kernel_soak(dtype_name: str, recipe, sampler, seed: int = 0):
+    """`recipe.training.steps` forward+backward passes through KERNEL_SHAPES weights."""
+    import random
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    rng = random.Random(seed)
+    weights = [(torch.randn(o, i, dtype=dtype) / i ** 0.5).requires_grad_()
+               for i, o in KERNEL_SHAPES]
+    seq, bucket = recipe.data.seq_length, recipe.data.length_bucket
+    for step in range(1, recipe.training.steps + 1):
+        rows = min(-(-rng.randint(1, seq) // bucket) * bucket, seq)
+        x = torch.randn(rows, 576, dtype=dtype)
+        h = (x @ weights[0].T)[:, :576] @ weights[1].T  # the query part stands for attention
+        up = h @ weights[2].T
+        out = (up[:, :1536] * torch.nn.functional.silu(up[:, 1536:])) @ weights[3].T
+        out.float().square().mean().backward()
+        for w in weights:
+            w.grad = None
+        sampler(step)
+
+
 def _cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -175,14 +217,26 @@ def main(argv=None):
     p.add_argument("--flush", type=int, default=25, help="rewrite the JSON every N steps")
     p.add_argument("--tracemalloc", action="store_true", help="also trace Python allocations")
     p.add_argument("--output-dir", help="the run's output_dir (default: a temporary one)")
-    p.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
+    p.add_argument("--plot-only", action="store_true",
+                   help="analyse again (with --from-step) and redraw from the JSON, e.g. of a run "
+                        "that was cut off")
+    p.add_argument("--kernel", choices=("bf16", "float32"),
+                   help="soak SmolLM2's linear layers alone in this dtype (no model, no data)")
     p.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = p.parse_args(argv)
     out = ROOT / "bench" / "results" / f"{args.name}.json"
     png = out.with_suffix(".png")
     if args.plot_only:
-        plot(json.loads(out.read_text()), png)
+        doc = json.loads(out.read_text())
+        doc.update(from_step=args.from_step, analysis=analyse(doc["steps"], args.from_step))
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(out)
+        plot(doc, png)
+        print(json.dumps(doc["analysis"], indent=1))
         return
+    import torch
+
     from megatron_specdec import distributed
     from megatron_specdec.training import load_recipe, train
 
@@ -192,20 +246,24 @@ def main(argv=None):
     meta = {"name": args.name, "config": os.path.relpath(args.config, ROOT),
             "overrides": list(args.overrides), "cpu": _cpu_model(), "commit": _commit(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "torch_threads": __import__("torch").get_num_threads(),
-            "env": {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "LD_PRELOAD",
-                                               "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-                    if k in os.environ},
+            "torch_threads": torch.get_num_threads(),
+            "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
             "load_average_start": os.getloadavg(), "from_step": args.from_step}
     if args.tracemalloc:
         tracemalloc.start()
     sampler = Sampler(out, meta, args.flush, args.tracemalloc)
-    try:
-        summary = train(recipe, on_step=sampler)
-    finally:
-        distributed.destroy()
+    if args.kernel:
+        meta["kernel"] = args.kernel
+        kernel_soak(args.kernel, recipe, sampler)
+        summary = {"steps": recipe.training.steps}
+    else:
+        try:
+            summary = train(recipe, on_step=sampler)
+        finally:
+            distributed.destroy()
     meta["load_average_end"] = os.getloadavg()
-    sampler.write({k: summary[k] for k in ("steps", "final_loss", "seconds_this_run")})
+    sampler.write({k: summary[k] for k in ("steps", "final_loss", "seconds_this_run")
+                   if k in summary})
     plot(json.loads(out.read_text()), png)
     print(json.dumps(analyse(sampler.rows, args.from_step), indent=1))
 

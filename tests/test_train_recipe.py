@@ -65,6 +65,7 @@ def test_bad_yaml_names_key(tmp_path):
     ("draft.algo=eagle2", "draft.algo"),
     ("optimizer.decay=linear", "optimizer.decay"),
     ("evaluation.interval=5", "evaluation.prompts"),
+    ("data.length_bucket=0", "data.length_bucket"),
 ])
 def test_range_checks_name_key(override, key):
     extra = ["training.micro_batch_size=2"] if "global" in override else []

@@ -126,7 +126,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
             _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
     except Exception as e:
         raise checkpoint.CheckpointError(
-            f"writing checkpoint {path} failed ({_write_failure(e)}); {LATEST} still names "
+            f"writing checkpoint {path} failed ({write_failure(e)}); {LATEST} still names "
             f"{_latest_name(directory)}, which a resume uses") from e
     if dist.get_rank() == 0:
         checkpoint.write_text_atomic(Path(directory) / LATEST, path.name + "\n")
@@ -136,7 +136,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
     return path
 
 
-def _write_failure(e: BaseException) -> str:
+def write_failure(e: BaseException) -> str:
     """The OS error under a failed write (dist_checkpointing wraps it), or the error itself."""
     seen = e
     while seen is not None:

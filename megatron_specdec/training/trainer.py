@@ -175,9 +175,16 @@ def train(recipe, on_step=None) -> dict:
     if stopped == "sigterm":  # the scheduler's grace time is short: the checkpoint resumes
         final = None
     else:
-        save_trained(model, final, meta, tokenizer_dir,
-                     {"base_model": recipe.model.path, "data": list(recipe.data.train),
-                      "steps": state.step, "scored_tokens": state.tokens})
+        try:
+            save_trained(model, final, meta, tokenizer_dir,
+                         {"base_model": recipe.model.path, "data": list(recipe.data.train),
+                          "steps": state.step, "scored_tokens": state.tokens})
+        except Exception as e:
+            raise checkpoint.CheckpointError(
+                f"writing the trained model to {final} failed "
+                f"({checkpoints.write_failure(e)}); the training checkpoint of step "
+                f"{state.step} in {checkpoint_dir(recipe)} holds it: rerun the command to "
+                f"export again") from e
     elapsed = time.time() - start_time
     summary = {
         "steps": state.step, "steps_this_run": state.step - start_step,
