@@ -55,7 +55,7 @@ def _new_draft(model, cfg, vocab_size, real_query_groups, seed, recompute):
         draft.init_lm_heads(_base_lm_head(model))
     else:
         draft = build_module(
-            specs.eagle3_module_spec(cfg, qk_layernorm=config.qk_layernorm), config=config,
+            specs.eagle3_module_spec(cfg), config=config,  # HF EAGLE3 layers: no q/k norm
             num_aux=len(cfg.aux_layer_ids), draft_vocab_size=cfg.draft_vocab_size,
             padded_draft_vocab_size=cfg.padded_draft_vocab_size, vocab_size=vocab_size,
         )

@@ -34,6 +34,7 @@ class ModelConfig:
 class ParallelismConfig:
     tp: int = 1
     pp: int = 1  # data parallel = world size / (tp * pp)
+    ep: int = 1  # expert parallel (MoE bases): carved out of data parallel
 
 
 @dataclass
@@ -170,6 +171,7 @@ def validate(r: Recipe):
            f"{r.model.dtype!r}; expected float32, bfloat16 or float16")
     _check(r.parallelism.tp >= 1, "parallelism.tp", "must be >= 1")
     _check(r.parallelism.pp >= 1, "parallelism.pp", "must be >= 1")
+    _check(r.parallelism.ep >= 1, "parallelism.ep", "must be >= 1")
     _check(r.draft.algo in TRAINABLE, "draft.algo",
            f"{r.draft.algo!r}; expected one of {TRAINABLE}")
     _check(len(r.data.train) > 0, "data.train", "needs at least one jsonl file")

@@ -93,7 +93,7 @@ def train(recipe, on_step=None) -> dict:
     memory and time there, outside the step it measures)."""
     run_start = time.time()  # the time limit counts setup too, as Megatron's does
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
-    distributed.initialize(tp, pp, seed=recipe.training.seed)
+    distributed.initialize(tp, pp, seed=recipe.training.seed, ep=recipe.parallelism.ep)
     dp = data_parallel_size(recipe, dist.get_world_size())
     resume_from = _resume_point(recipe)
     Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
