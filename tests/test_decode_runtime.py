@@ -1,10 +1,14 @@
-"""The decoding runtime's kernels and cache in one process (small seeded random Llama): the
-weight-on-the-left product equals F.linear at every row count and returns a tensor a
-tensor-parallel all-reduce can work on in place; the SDPA inference attention equals
-megatron's DotProductAttention (grouped queries, arbitrary mask); a decode over the
-rotated-key cache equals one full forward; a left-padded batch gives each row its batch-1
-greedy output, and rows that finish leave a greedy batch without changing the others';
-padding never puts NaN in the cache."""
+"""The decoding runtime's kernels and cache in one process (small seeded random Llama): every
+candidate product of the decoding linears equals F.linear at every row count and returns a
+tensor a tensor-parallel all-reduce can work on in place; the kernel choice is measured once
+per shape, read back from its cache, keeps the row-invariant product within its margin and
+refuses a foreign or stale cache; on the skinny product a verify forward's logits equal plain
+steps' bitwise and every drafter's speculative output equals greedy; the adaptive threshold
+is the measured cost ratio; the SDPA inference attention equals megatron's
+DotProductAttention (grouped queries, arbitrary mask); a decode over the rotated-key cache
+equals one full forward; a left-padded batch gives each row its batch-1 greedy output, and
+rows that finish leave a greedy batch without changing the others'; padding never puts NaN in
+the cache."""
 
 import json
 import math
