@@ -1,6 +1,6 @@
 """bench/gpu_run.sh, the one script a lent GPU runs, in its CPU dry run: every check it would
 run on the GPU runs here with tiny shapes (or is skipped with its reason), so the script and
-the benches it calls cannot rot between the rare sessions that have a GPU."""
+the benches it calls cannot rot between the rare runs on a machine with a GPU."""
 
 import json
 import subprocess
