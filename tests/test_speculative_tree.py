@@ -143,8 +143,10 @@ def test_tree_forward_and_compaction_equal_chain(eagle3):
     chain_out = chain_runner.step(torch.tensor([[pending] + tokens[path].tolist()]))
     rows = torch.tensor([0] + [p + 1 for p in path])
     picked = tree_out.take(rows[None])
-    torch.testing.assert_close(tree_out.logits[:, rows], chain_out.logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(picked.aux, chain_out.aux, atol=1e-5, rtol=1e-5)
+    # A chain attends query by query (as plain steps do), a tree through its mask: the same
+    # sums in another fp32 order (|aux| reaches ~90 in this random model).
+    torch.testing.assert_close(tree_out.logits[:, rows], chain_out.logits, atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(picked.aux, chain_out.aux, atol=2e-4, rtol=1e-5)
     tree_runner.compact(n + 1, n + 1 + torch.tensor(path))
     assert tree_runner.lengths.tolist() == chain_runner.lengths.tolist() == [n + 1 + len(path)]
     next_tree = tree_runner.step(torch.tensor([[after]]))
