@@ -235,7 +235,7 @@ def test_changed_data_refused_naming_the_file(setup, reference, tmp_path):
     argv = ts.overrides(model, data, out, **{"training.steps": STEPS + 2})
     result, _, _ = _run(argv)
     assert isinstance(result, str) and "was trained on other data" in result, result
-    assert f"{data} changed" in result, result
+    assert f"data.train[0] {data} changed" in result, result
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_specdec import checkpoint, pickle_guard
 from megatron_specdec.distributed import device
@@ -124,7 +125,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
                                                                      rng_tensors()))
         if dist.get_rank() == 0:
             _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
-    except Exception as e:
+    except WRITE_ERRORS as e:
         raise checkpoint.CheckpointError(
             f"writing checkpoint {path} failed ({write_failure(e)}); {LATEST} still names "
             f"{_latest_name(directory)}, which a resume uses") from e
@@ -134,6 +135,11 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
             checkpoint.remove_dir(old)
     dist.barrier()
     return path
+
+
+# What a failed write raises: torch's dist checkpoint writer reports a worker's OSError as a
+# CheckpointException, which derives from BaseException.
+WRITE_ERRORS = (Exception, CheckpointException)
 
 
 def write_failure(e: BaseException) -> str:

@@ -63,6 +63,12 @@ def _time_is_up(start_time: float, limit_mins: float) -> bool:
     return checkpoints.max_over_world(time.time() - start_time) > limit_mins * 60
 
 
+def _collective_failure(e: RuntimeError) -> bool:
+    """A failed collective: torch's distributed errors, or gloo's transport errors (a peer
+    that died closes its sockets), which torch raises as a bare RuntimeError."""
+    return isinstance(e, dist.DistError) or "gloo/transport" in str(e)
+
+
 class _Termination:
     """SIGTERM (what Slurm and Kubernetes send before a kill) noted by a handler, acted on
     between steps: the run checkpoints the step it finished and returns. Ranks agree, since a
@@ -163,7 +169,9 @@ def train(recipe, on_step=None) -> dict:
                 break
             if evaluation.due(recipe, state.step):
                 acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
-    except dist.DistError as e:
+    except RuntimeError as e:
+        if not _collective_failure(e):
+            raise
         raise RuntimeError(
             f"rank {dist.get_rank()}: a collective failed after step {state.step} (another "
             f"rank has probably stopped): {str(e).splitlines()[0] if str(e) else e!r}; "
@@ -179,7 +187,7 @@ def train(recipe, on_step=None) -> dict:
             save_trained(model, final, meta, tokenizer_dir,
                          {"base_model": recipe.model.path, "data": list(recipe.data.train),
                           "steps": state.step, "scored_tokens": state.tokens})
-        except Exception as e:
+        except checkpoints.WRITE_ERRORS as e:
             raise checkpoint.CheckpointError(
                 f"writing the trained model to {final} failed "
                 f"({checkpoints.write_failure(e)}); the training checkpoint of step "
