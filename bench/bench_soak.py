@@ -173,13 +173,15 @@ def kernel_soak(dtype_name: str, recipe, sampler, seed: int = 0):
 
     import torch
 
+    from megatron_specdec.training.batches import bucketed
+
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     rng = random.Random(seed)
     weights = [(torch.randn(o, i, dtype=dtype) / i ** 0.5).requires_grad_()
                for i, o in KERNEL_SHAPES]
     seq, bucket = recipe.data.seq_length, recipe.data.length_bucket
     for step in range(1, recipe.training.steps + 1):
-        rows = min(-(-rng.randint(1, seq) // bucket) * bucket, seq)
+        rows = bucketed(rng.randint(1, seq), bucket, seq)
         x = torch.randn(rows, 576, dtype=dtype)
         h = (x @ weights[0].T)[:, :576] @ weights[1].T  # the query part stands for attention
         up = h @ weights[2].T

@@ -27,7 +27,12 @@ def step_length(raw: list, bucket: int) -> int:
     matmuls on the CPU) keeps kernels and buffers per shape and a new length every step
     grew the process by GBs over a run."""
     length = max(int((b["segment_ids"] > 0).any(0).nonzero().max()) + 1 for b in raw)
-    return min(-(-length // bucket) * bucket, raw[0]["segment_ids"].shape[1])
+    return bucketed(length, bucket, raw[0]["segment_ids"].shape[1])
+
+
+def bucketed(length: int, bucket: int, limit: int) -> int:
+    """`length` rounded up to a multiple of `bucket`, at most `limit`."""
+    return min(-(-length // bucket) * bucket, limit)
 
 
 def step_batches(raw: list, pack: bool, bucket: int = 1) -> list:
