@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_specdec import checkpoint, pickle_guard
 from megatron_specdec.distributed import device
 from megatron_specdec.training import base_fingerprint, data_fingerprint
+from megatron_specdec.weights.files import FileFormatError
 
 log = logging.getLogger(__name__)
 
@@ -295,8 +296,6 @@ def _refuse_objects(path):
 def verify(path) -> None:
     """Raise CheckpointError saying what is wrong with checkpoint `path`, if anything."""
     path = Path(path)
-    checkpoint.read_meta(path)
-    _refuse_objects(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise checkpoint.CheckpointError(f"{path}: {MANIFEST} is missing (save interrupted)")
@@ -314,6 +313,11 @@ def verify(path) -> None:
                 f"expected {entry['size']})")
         if _sha256(f) != entry["sha256"]:
             raise checkpoint.CheckpointError(f"{path}: file {name} is corrupt (sha256 mismatch)")
+    try:  # after the manifest, which names a damaged file by what it should hold
+        checkpoint.read_meta(path)
+        _refuse_objects(path)
+    except FileFormatError as e:
+        raise checkpoint.CheckpointError(str(e)) from None
 
 
 def checkpoints_in(directory, with_manifest: bool = False) -> list:
