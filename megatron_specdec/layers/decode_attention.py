@@ -27,8 +27,9 @@ from torch import Tensor
 from megatron_specdec.layers.linear_kernels import INVARIANT_ROWS
 
 
-# A batch-1 causal chain up to this long attends query by query (DecodeSelfAttention): the
-# rows over which the decoding linears are row-invariant (layers/linear_kernels.py).
+# A batch-1 step or causal chain up to this long attends query by query on one thread
+# (DecodeSelfAttention): the rows over which the decoding linears are row-invariant
+# (layers/linear_kernels.py).
 PER_QUERY_ROWS = INVARIANT_ROWS
 
 
@@ -85,13 +86,13 @@ class DecodeCache(StaticInferenceContext):
     def causal_mask(self, slots: Tensor) -> Optional[Tensor]:
         """[b, 1, s, end] True where a query at `slots` [b, s] may not attend (a later slot:
         a later token, or a slot beyond its row's length); None when nothing is masked (one
-        token per row, all rows of one length). A batch-1 chain of up to PER_QUERY_ROWS
+        token per row, all rows of one length). A batch-1 step or chain of up to PER_QUERY_ROWS
         tokens also sets `query_ends` (DecodeSelfAttention)."""
         b, s = slots.shape
-        if s == 1 and bool((self.lengths == self.lengths[0]).all()):
-            return None
         if b == 1 and s <= PER_QUERY_ROWS:
             self.query_ends = (slots[0] + 1).tolist()
+        if s == 1 and bool((self.lengths == self.lengths[0]).all()):
+            return None
         keys = torch.arange(self._end, device=slots.device)
         return (keys[None, None, :] > slots[:, :, None])[:, None]
 
@@ -211,13 +212,13 @@ class DecodeSelfAttention(SelfAttention):
             context = self.core_attention(query, keys, values, attention_mask,
                                           attn_mask_type=AttnMaskType.arbitrary)
         else:
-            # Each query of a batch-1 chain as the one-token step at its position runs it:
-            # the kernel's result for a query depends on how many share the call, so this
-            # keeps a verify forward's attention bitwise equal to plain decoding's.
-            context = torch.cat([
-                self.core_attention(query[i: i + 1], keys[:end], values[:end], None,
-                                    attn_mask_type=AttnMaskType.arbitrary)
-                for i, end in enumerate(ends)])
+            # Each query of a batch-1 chain as the one-token step at its position runs it
+            # (the same call): the kernel's result for a query depends on how many share the
+            # call, so this keeps a verify forward's attention bitwise equal to plain steps'.
+            context = torch.cat(per_query(
+                lambda i, end: self.core_attention(query[i: i + 1], keys[:end], values[:end],
+                                                   None, attn_mask_type=AttnMaskType.arbitrary),
+                ends))
         return self.linear_proj(context)
 
 
@@ -243,6 +244,20 @@ class SDPAttention(DotProductAttention):
         fold = query.is_cuda and (mask is not None or query.dtype == torch.float32)
         out = grouped_sdpa(query, key, value, mask, causal, self.softmax_scale, fold)
         return out.reshape(out.shape[0], out.shape[1], self.hidden_size_per_partition)
+
+
+def per_query(attend, ends) -> list:
+    """attend(i, end) for each query of a chain, on one thread: each call is a few heads over
+    one query (a result that does not depend on the thread count), too small to be worth a
+    parallel region, and a region per call costs more than the call on a busy machine."""
+    threads = torch.get_num_threads()
+    if threads > 1 and not torch.is_grad_enabled() and not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    try:
+        return [attend(i, end) for i, end in enumerate(ends)]
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def rotate(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
