@@ -23,9 +23,8 @@ import torch
 
 from megatron_specdec.layers.linear_kernels import (
     SMALL_BUCKETS,
-    WIDE_BUCKETS,
     candidates,
-    choose,
+    choose_small,
     machine,
     time_candidates,
 )
@@ -95,8 +94,7 @@ def main():
             times = time_candidates(out_features, in_features, torch.float32, names,
                                     tuple(args.rows), args.repeats)
             bound_ms = out_features * in_features * 4 / (bandwidth * 1e9) * 1e3
-            full = set(SMALL_BUCKETS + WIDE_BUCKETS) <= set(args.rows)
-            chosen = choose(times)["small"] if full else None
+            chosen = choose_small(times) if set(SMALL_BUCKETS) <= set(args.rows) else None
             key = f"{model}/{layer} {out_features}x{in_features}"
             results[key] = {"bound_ms": bound_ms, "chosen_for_1_to_16_rows": chosen, "rows": {
                 rows: {name: {"ms": times[name][rows], "of_bound": bound_ms / times[name][rows]}

@@ -150,10 +150,10 @@ def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
     return best
 
 
-def choose(times: dict) -> dict:
-    """{"small": product for rows 1..INVARIANT_ROWS, "wide": {bucket: product}} from
-    time_candidates' result (rows as ints)."""
-    def relative(name):  # mean of time / best time over the small buckets
+def choose_small(times: dict) -> str:
+    """The one product for rows 1..INVARIANT_ROWS from time_candidates' result over (at
+    least) SMALL_BUCKETS: the best mean of time / best time, the skinny op within its margin."""
+    def relative(name):
         return sum(times[name][b] / min(t[b] for t in times.values())
                    for b in SMALL_BUCKETS) / len(SMALL_BUCKETS)
 
@@ -161,8 +161,14 @@ def choose(times: dict) -> dict:
     small = min(scores, key=scores.get)
     if "skinny" in scores and scores["skinny"] <= scores[small] * (1 + INVARIANCE_MARGIN):
         small = "skinny"
+    return small
+
+
+def choose(times: dict) -> dict:
+    """{"small": product for rows 1..INVARIANT_ROWS, "wide": {bucket: product}} from
+    time_candidates' result (rows as ints)."""
     wide = {b: min(times, key=lambda name: times[name][b]) for b in WIDE_BUCKETS}
-    return {"small": small, "wide": wide}
+    return {"small": choose_small(times), "wide": wide}
 
 
 class KernelChoice:
