@@ -143,18 +143,31 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
 WRITE_ERRORS = (Exception, CheckpointException)
 
 
+def _causes(e: BaseException) -> list:
+    """`e`, what it was raised from, and the per-rank errors a CheckpointException holds."""
+    out, todo = [], [e]
+    while todo:
+        seen = todo.pop()
+        if seen is None or any(seen is o for o in out):
+            continue
+        out.append(seen)
+        todo += [seen.__cause__, seen.__context__]
+        for failure in getattr(seen, "failures", {}).values():  # {rank: (error, traceback)}
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return out
+
+
 def write_failure(e: BaseException) -> str:
-    """The OS error under a failed write (dist_checkpointing wraps it), or the error itself."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return f"{os.strerror(seen.errno)}: disk full or a file-size limit?" if \
-                seen.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else str(seen)
-        seen = seen.__cause__ or seen.__context__
+    """The OS error under a failed write (dist_checkpointing wraps it, in another process's
+    words), or the error itself."""
+    for seen in _causes(e):
+        for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            if getattr(seen, "errno", None) == code or os.strerror(code) in str(seen):
+                return f"{os.strerror(code)}: disk full or a file-size limit?"
+    for seen in _causes(e):
+        if isinstance(seen, OSError):
+            return str(seen)
     text = str(e)
-    for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        if os.strerror(code) in text:
-            return f"{os.strerror(code)}: disk full or a file-size limit?"
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
