@@ -211,6 +211,7 @@ def test_disk_full_during_final_export_names_the_checkpoint(setup, reference):
     assert summary["steps_this_run"] == 0 and (out / "final").is_dir(), summary
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_step_and_exits_cleanly(setup, reference):
     result, codes, _ = _run(_argv(setup, "sigterm"), "sigterm_at_3")
     assert codes == [0] and isinstance(result, dict), (result, codes)
