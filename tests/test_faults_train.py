@@ -191,6 +191,7 @@ def test_disk_full_during_checkpoint_write_keeps_latest(setup, reference):
     result, codes, _ = _run(_argv(setup, "disk_full"), "fsize_after_3")
     assert isinstance(result, str) and result.startswith("error: CheckpointError"), result
     assert "step_0000004" in result and "File too large" in result, result
+    assert f"a file-size limit of {FSIZE_LIMIT} bytes" in result, result
     assert "latest still names step_0000002" in result, result
     ckpt = setup[0] / "disk_full" / "checkpoints"
     assert (ckpt / checkpoints.LATEST).read_text().strip() == "step_0000002"
@@ -203,7 +204,7 @@ def test_disk_full_during_checkpoint_write_keeps_latest(setup, reference):
 def test_disk_full_during_final_export_names_the_checkpoint(setup, reference):
     result, codes, _ = _run(_argv(setup, "export_full"), "fsize_in_export")
     assert isinstance(result, str) and "writing the trained model to" in result, result
-    assert "File too large" in result and "step 4" in result, result
+    assert f"a file-size limit of {FSIZE_LIMIT} bytes" in result and "step 4" in result, result
     out = setup[0] / "export_full"
     assert not (out / "final").exists()  # nothing half-written under the final name
     checkpoints.verify(checkpoints.step_dir(out / "checkpoints", STEPS))

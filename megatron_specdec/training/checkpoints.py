@@ -27,6 +27,8 @@ import math
 import os
 import random
 import re
+import resource
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -128,7 +130,7 @@ def save(directory, step: int, model, optimizer, state: TrainerState, meta: dict
             _write_json_atomic(path / MANIFEST, {"files": _file_table(path)})
     except WRITE_ERRORS as e:
         raise checkpoint.CheckpointError(
-            f"writing checkpoint {path} failed ({write_failure(e)}); {LATEST} still names "
+            f"writing checkpoint {path} failed ({write_failure(e, path)}); {LATEST} still names "
             f"{_latest_name(directory)}, which a resume uses") from e
     if dist.get_rank() == 0:
         checkpoint.write_text_atomic(Path(directory) / LATEST, path.name + "\n")
@@ -157,18 +159,27 @@ def _causes(e: BaseException) -> list:
     return out
 
 
-def write_failure(e: BaseException) -> str:
-    """The OS error under a failed write (dist_checkpointing wraps it, in another process's
-    words), or the error itself."""
+def write_failure(e: BaseException, target) -> str:
+    """Why a write under `target` failed: the OS error under it (dist_checkpointing wraps it,
+    sometimes in another process's words) and what bounds writes there: the free space and a
+    file-size limit (`ulimit -f`), if one is set."""
+    reason = None
     for seen in _causes(e):
         for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             if getattr(seen, "errno", None) == code or os.strerror(code) in str(seen):
-                return f"{os.strerror(code)}: disk full or a file-size limit?"
-    for seen in _causes(e):
-        if isinstance(seen, OSError):
-            return str(seen)
-    text = str(e)
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+                reason = os.strerror(code)
+    if reason is None:
+        inner = _causes(e)[-1]
+        text = str(inner).strip().splitlines()
+        reason = f"{type(inner).__name__}: {text[-1] if text else ''}"
+    where = Path(target)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    bounds = [f"{shutil.disk_usage(where).free / 2**20:.0f} MiB free on {where}"]
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        bounds.append(f"a file-size limit of {limit} bytes (ulimit -f)")
+    return f"{reason}; {', '.join(bounds)}"
 
 
 def _latest_name(directory) -> str:

@@ -190,7 +190,7 @@ def train(recipe, on_step=None) -> dict:
         except checkpoints.WRITE_ERRORS as e:
             raise checkpoint.CheckpointError(
                 f"writing the trained model to {final} failed "
-                f"({checkpoints.write_failure(e)}); the training checkpoint of step "
+                f"({checkpoints.write_failure(e, final)}); the training checkpoint of step "
                 f"{state.step} in {checkpoint_dir(recipe)} holds it: rerun the command to "
                 f"export again") from e
     elapsed = time.time() - start_time
