@@ -27,8 +27,8 @@ from torch import Tensor
 from megatron_specdec.layers.linear_kernels import INVARIANT_ROWS
 
 
-# A batch-1 step or causal chain up to this long attends query by query on one thread
-# (DecodeSelfAttention): the rows over which the decoding linears are row-invariant
+# On a CPU, a batch-1 step or causal chain up to this long attends query by query on one
+# thread (DecodeSelfAttention): the rows over which the decoding linears are row-invariant
 # (layers/linear_kernels.py).
 PER_QUERY_ROWS = INVARIANT_ROWS
 
@@ -89,7 +89,7 @@ class DecodeCache(StaticInferenceContext):
         token per row, all rows of one length). A batch-1 step or chain of up to PER_QUERY_ROWS
         tokens also sets `query_ends` (DecodeSelfAttention)."""
         b, s = slots.shape
-        if b == 1 and s <= PER_QUERY_ROWS:
+        if b == 1 and s <= PER_QUERY_ROWS and slots.device.type == "cpu":
             self.query_ends = (slots[0] + 1).tolist()
         if s == 1 and bool((self.lengths == self.lengths[0]).all()):
             return None
