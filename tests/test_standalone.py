@@ -21,8 +21,10 @@ def _tree_files():
 def _python(clone, *args):
     env = dict(os.environ, PYTHONPATH=str(clone))
     env.pop("SPECDEC_SHARED_DATA", None)
-    return subprocess.run([sys.executable, *args], cwd=clone, env=env, check=True,
-                          capture_output=True, text=True, timeout=600).stdout
+    done = subprocess.run([sys.executable, *args], cwd=clone, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, f"{' '.join(args[:3])} failed:\n{done.stderr[-3000:]}"
+    return done.stdout
 
 
 def test_data_steps_run_in_a_bare_copy(tmp_path):
