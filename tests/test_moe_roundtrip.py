@@ -48,6 +48,22 @@ def test_expert_parallel_not_dividing_experts_is_refused(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_hf_to_megatron_cli_takes_ep_and_names_a_bad_one(tmp_path, capsys):
+    """The command-line converter passes --ep through: an EP that does not divide the experts
+    is one error line naming both numbers, and nothing is written."""
+    from checkpoint_tools import hf_to_megatron as tool
+    from megatron_specdec.cli import run_cli
+
+    moe_models.save_random("mixtral", tmp_path / "hf")
+    capsys.readouterr()  # transformers' save progress bar
+    code = run_cli(lambda: tool.main(["--model", str(tmp_path / "hf"), "--out", str(tmp_path / "c"),
+                                      "--ep", "3"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "expert_parallel=3 does not divide the 4 experts" in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
 def test_expert_parallel_on_a_dense_family_is_refused():
     from transformers import Qwen3Config
 
