@@ -161,7 +161,8 @@ def _default_of(action) -> str:
     if (isinstance(action, argparse._StoreTrueAction) or action.default is None
             or action.default is False or action.default == []):
         return ""
-    return f"`{action.default}`"
+    # a default inside the checkout is shown relative to it: the page is the same in any clone
+    return f"`{str(action.default).replace(str(REPO) + '/', '')}`"
 
 
 def _help_of(action) -> str:
