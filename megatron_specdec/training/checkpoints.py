@@ -20,7 +20,6 @@ renamed aside to `<name>.corrupt` (never deleted), and the previous good one is 
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -296,16 +295,8 @@ def _masters_stored_as_weights(template: dict, path) -> dict:
 
 
 # ---- verification and discovery ------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_table(path: Path) -> dict:
-    return {str(f.relative_to(path)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+    return {str(f.relative_to(path)): {"size": f.stat().st_size, "sha256": data_fingerprint.file_sha256(f)}
             for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
 
 
@@ -335,7 +326,7 @@ def verify(path) -> None:
             raise checkpoint.CheckpointError(
                 f"{path}: file {name} is truncated or altered ({f.stat().st_size} bytes, "
                 f"expected {entry['size']})")
-        if _sha256(f) != entry["sha256"]:
+        if data_fingerprint.file_sha256(f) != entry["sha256"]:
             raise checkpoint.CheckpointError(f"{path}: file {name} is corrupt (sha256 mismatch)")
     try:  # after the manifest, which names a damaged file by what it should hold
         checkpoint.read_meta(path)

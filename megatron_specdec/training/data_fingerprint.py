@@ -9,7 +9,8 @@ import hashlib
 from pathlib import Path
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks (checkpoint manifests use it too)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -20,7 +21,7 @@ def _sha256(path: Path) -> str:
 def fingerprint(files) -> list:
     """[{"file", "size", "sha256"}] in `files` order (a missing file is left to the dataset
     reader's error)."""
-    return [{"file": str(f), "size": Path(f).stat().st_size, "sha256": _sha256(Path(f))}
+    return [{"file": str(f), "size": Path(f).stat().st_size, "sha256": file_sha256(Path(f))}
             for f in files if Path(f).is_file()]
 
 
