@@ -36,16 +36,11 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                 rms_norm_eps=1e-5)
 
 
-def write_random_llama(out: Path) -> Path:
-    """A random bf16 Llama of LLAMA_1B's shape, written one tensor at a time."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def write_random_hf(out: Path, config, shapes: dict) -> Path:
+    """An HF directory of `config` with random bf16 tensors of `shapes` ({name: shape}),
+    written one tensor at a time (a model larger than memory never exists whole)."""
     from megatron_specdec.weights import files
 
-    config = LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()
-                  if k != "lm_head.weight"}
     gen = torch.Generator().manual_seed(0)
     specs = [(name, shape, torch.bfloat16) for name, shape in shapes.items()]
     stream = ((name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
@@ -54,6 +49,17 @@ def write_random_llama(out: Path) -> Path:
     config.save_pretrained(out)
     files.write_safetensors(out / files.HF_WEIGHTS, specs, stream, metadata={"format": "pt"})
     return out
+
+
+def write_random_llama(out: Path) -> Path:
+    """A random bf16 Llama of LLAMA_1B's shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**LLAMA_1B, architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()
+                  if k != "lm_head.weight"}
+    return write_random_hf(out, config, shapes)
 
 
 def convert(codes, tmp: Path, model: str, hf_dir, tp: int, dtype: str):

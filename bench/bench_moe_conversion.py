@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_conversion import write_random_hf  # noqa: E402
 from proc_peak import measure  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,20 +40,13 @@ def write_random_moe(out: Path) -> Path:
     per-expert layout checkpoints hold on disk."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_specdec.weights import files, moe
+    from megatron_specdec.weights import moe
 
     config = Qwen3MoeConfig(**QWEN3_MOE_1B, architectures=["Qwen3MoeForCausalLM"])
     with torch.device("meta"):
         shapes = moe.disk_shapes("qwen3_moe", {k: v.shape for k, v in
                                                Qwen3MoeForCausalLM(config).state_dict().items()})
-    gen = torch.Generator().manual_seed(0)
-    specs = [(name, shape, torch.bfloat16) for name, shape in shapes.items()]
-    stream = ((name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
-              for name, shape in shapes.items())
-    out.mkdir(parents=True)
-    config.save_pretrained(out)
-    files.write_safetensors(out / files.HF_WEIGHTS, specs, stream, metadata={"format": "pt"})
-    return out
+    return write_random_hf(out, config, shapes)
 
 
 def run(what, code, ep):
