@@ -202,3 +202,36 @@ def read_export(in_dir) -> tuple:
     if extra:
         raise mapping.WeightMappingError(f"tensor {extra[0]!r} in {src}: not part of a DFlash draft")
     return config, state
+
+
+def export_model(model, base_hf, out_dir, dtype: torch.dtype = None):
+    """Write the draft of a base + DFlash model (this layout's shards gathered) as vLLM's
+    DFlashDraftModel. Collective over the TP group; the last stage's first TP rank writes."""
+    from megatron.core import parallel_state as ps
+
+    draft = model.draft
+    if draft is None:
+        return None
+    dtype = dtype or model.config.params_dtype
+    state = gather_hf_state(draft, model.spec_config, draft.geometry)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        write_export(out_dir, hf_config(base_hf, model.spec_config, draft.geometry, dtype),
+                     state, dtype)
+    return Path(out_dir)
+
+
+def import_into(model, in_dir):
+    """Load an export into this rank's DFlash draft, refusing one that does not fit the
+    model's draft config (block layers, mask token, target layers) or base shapes."""
+    config, state = read_export(in_dir)
+    draft, cfg = model.draft, model.spec_config
+    dcfg = config["dflash_config"]
+    for key, want, got in (("num_hidden_layers", cfg.num_layers, config["num_hidden_layers"]),
+                           ("dflash_config.mask_token_id", cfg.mask_token_id, dcfg["mask_token_id"]),
+                           ("dflash_config.target_layer_ids", list(cfg.target_layer_ids),
+                            list(dcfg["target_layer_ids"]))):
+        if want != got:
+            raise ValueError(f"{Path(in_dir) / 'config.json'}: {key} is {got!r}, the model's "
+                             f"draft has {want!r}")
+    if draft is not None:
+        load_hf_state(draft, cfg, draft.geometry, state)

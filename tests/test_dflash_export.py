@@ -1,0 +1,82 @@
+"""DFlash export -> import round-trips bitwise (TP=1 export, TP=2 import and re-export, so
+the padded query group is dropped and re-added), and a bad export is refused by name."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_specdec import distributed
+from test_dflash_parallel import build, random_hf_draft, tiny_hf_config
+
+
+def _export_worker(out_dir):
+    from megatron_specdec.methods.dflash import hf_weights
+
+    distributed.initialize(1, 1)
+    model = build(random_hf_draft())
+    hf_weights.export_model(model, tiny_hf_config(), out_dir)
+
+
+def _reimport_worker(tp, in_dir, out_dir):
+    from megatron_specdec.methods.dflash import hf_weights
+
+    distributed.initialize(tp, 1)
+    model = build()
+    hf_weights.import_into(model, in_dir)
+    hf_weights.export_model(model, tiny_hf_config(), out_dir)
+
+
+@pytest.fixture(scope="module")
+def exported(module_tmp):
+    out = module_tmp("export") / "draft"
+    distributed.spawn(_export_worker, 1, str(out))
+    return out
+
+
+def _files(d):
+    from megatron_specdec.methods.dflash import hf_weights
+
+    return hf_weights.read_export(d)
+
+
+def test_export_layout(exported):
+    config, state = _files(exported)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 499, "target_layer_ids": [0, 1, 2]}
+    assert config["num_key_value_heads"] == 3  # unpadded
+    assert "layers.1.self_attn.k_norm.weight" in state and "embed_tokens.weight" not in state
+    assert not any(k.startswith("model.") for k in load_file(str(exported / "model.safetensors")))
+
+
+def test_roundtrip_bitwise_through_tp2(exported, tmp_path):
+    again = tmp_path / "again"
+    distributed.spawn(_reimport_worker, 2, 2, str(exported), str(again))
+    (c1, s1), (c2, s2) = _files(exported), _files(again)
+    assert c1 == c2 and set(s1) == set(s2)
+    for name, t in s1.items():
+        assert t.dtype == s2[name].dtype and torch.equal(t, s2[name]), name
+    assert (exported / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+
+
+def test_bad_export_refused_by_name(exported, tmp_path):
+    from safetensors.torch import save_file
+
+    from megatron_specdec.checkpointing.hf_mapping import WeightMappingError
+    from megatron_specdec.methods.dflash import hf_weights
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("config.json", "mask_embedding.pt"):
+        (bad / name).write_bytes((exported / name).read_bytes())
+    state = load_file(str(exported / "model.safetensors"))
+    state.pop("layers.0.self_attn.q_norm.weight")
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(WeightMappingError, match="layers.0.self_attn.q_norm.weight"):
+        hf_weights.read_export(bad)
+    config = json.loads((exported / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLMEagle3"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="architectures"):
+        hf_weights.read_export(bad)
