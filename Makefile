@@ -51,7 +51,7 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
 
 demo: install
-	$(PY) -m megatron_specdec.demo
+	$(PY) -m megatron_specdec.cli.demo
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info megatron_specdec/_C*.so

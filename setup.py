@@ -65,7 +65,7 @@ setup(
     # (its own dependencies build llama-cpp-python from source, which we never use).
     extras_require={"test": ["pytest>=7", "scipy"]},
     # One command per tool, beside `python -m ...` and `python checkpoint_tools/...py`
-    # (megatron_specdec/reference_docs.py lists the same tools for docs/reference/cli.md).
+    # (megatron_specdec/cli/reference_docs.py lists the same tools for docs/reference/cli.md).
     entry_points={"console_scripts": [
         "specdec-import = checkpoint_tools.hf_to_megatron:cli",
         "specdec-export-base = checkpoint_tools.megatron_to_hf:cli",
@@ -74,11 +74,11 @@ setup(
         "specdec-export = checkpoint_tools.export_draft:cli",
         "specdec-prune = checkpoint_tools.prune_depth:cli",
         "specdec-recalibrate-vocab = checkpoint_tools.recalibrate_draft_vocab:cli",
-        "specdec-data = megatron_specdec.data.__main__:cli",
-        "specdec-train = megatron_specdec.train:cli",
-        "specdec-validate = megatron_specdec.decoding.validate:cli",
-        "specdec-chat = megatron_specdec.chat:cli",
-        "specdec-demo = megatron_specdec.demo:cli",
+        "specdec-data = megatron_specdec.cli.data:cli",
+        "specdec-train = megatron_specdec.cli.train:cli",
+        "specdec-validate = megatron_specdec.cli.validate:cli",
+        "specdec-chat = megatron_specdec.cli.chat:cli",
+        "specdec-demo = megatron_specdec.cli.demo:cli",
     ]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -117,7 +117,7 @@ def run(device, vocab, repeats, only=None):
 
 
 def main():
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

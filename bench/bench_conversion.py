@@ -39,7 +39,7 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
 def write_random_hf(out: Path, config, shapes: dict) -> Path:
     """An HF directory of `config` with random bf16 tensors of `shapes` ({name: shape}),
     written one tensor at a time (a model larger than memory never exists whole)."""
-    from megatron_specdec.weights import files
+    from megatron_specdec.checkpointing import hf_files as files
 
     gen = torch.Generator().manual_seed(0)
     specs = [(name, shape, torch.bfloat16) for name, shape in shapes.items()]
@@ -87,7 +87,7 @@ def run(code, model, direction, tp, dtype, cmd):
 
 
 def main():
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["smollm2", "llama1b"])

@@ -149,7 +149,7 @@ def loop_positions(prompt_len, accepted, length, k):
 
 def measure(model, tokenizer, prompts, k, max_new_tokens):
     from megatron_specdec.data import end_of_turn_ids
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(model, k, policy="fixed")
     eos = end_of_turn_ids(tokenizer)
@@ -243,12 +243,12 @@ def main():
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
 
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # before megatron-core is imported: its benign warnings stay out
-    from megatron_specdec.decoding.validate import read_prompts
+    from megatron_specdec.evaluation.acceptance import read_prompts
     from megatron_specdec.distributed import initialize
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.loading.speculative import load_speculative
     from megatron_specdec.data import load_tokenizer
 
     initialize(1, 1)

@@ -58,8 +58,8 @@ def _gather_max(value: float) -> float:
 
 
 def train_worker(tp, ttt_list, seq_len, steps, draft_vocab, out_file):
-    from megatron_specdec.speculative import convert
-    from megatron_specdec.hf_conversion import model_from_hf
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.training.schedule import forward_backward
 
     distributed.initialize(tp, 1)
@@ -94,7 +94,7 @@ def train_worker(tp, ttt_list, seq_len, steps, draft_vocab, out_file):
 
 def loss_worker(tp, vocab, tokens, out_file):
     """Peak RSS increase of the vocab-parallel EAGLE3 loss on this rank's logit shards."""
-    from megatron_specdec.layers import losses
+    from megatron_specdec.models.layers import losses
 
     distributed.initialize(tp, 1)
     draft = vocab // 4
@@ -122,7 +122,7 @@ def _run(fn, world, *args):
 
 
 def main(argv=None):
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

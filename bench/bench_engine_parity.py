@@ -1,6 +1,6 @@
 """Acceptance parity: the same EAGLE3 draft served by vLLM and run by the project's decoder.
 
-The project side is what `python -m megatron_specdec.decoding.validate --draft-policy fixed
+The project side is what `python -m megatron_specdec.cli.validate --draft-policy fixed
 --num-draft-tokens K` runs (SpeculativeGenerator, chain of K drafted every round, pooled
 acceptance length), on a speculative checkpoint holding the draft; the vLLM side serves the
 HF export of the same draft (`--draft`) on the same fp32 base (the embedded SmolLM2 HF
@@ -47,8 +47,8 @@ def project_side(model_dir, prompts, ks, max_new_tokens, eos):
     output is its greedy output is tests/test_shipped_draft.py's; here it is compared with
     vLLM's greedy and speculative outputs.)"""
     from megatron_specdec import distributed
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.loading.speculative import load_speculative
 
     distributed.initialize(1, 1)
     model, _, _ = load_speculative(model_dir)
@@ -121,13 +121,13 @@ def print_table(report):
 
 
 def main(argv=None):
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
-    from megatron_specdec import checkpoint
+    from megatron_specdec.checkpointing import checkpoint
     from megatron_specdec.data import end_of_turn_ids, load_tokenizer
-    from megatron_specdec.decoding.validate import read_prompts
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.evaluation.acceptance import read_prompts
+    from megatron_specdec.models.default_model import default_model_dir
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -60,9 +60,9 @@ PREVIOUS = "project greedy (W @ x.T pinned)"
 def build(args):
     """(speculative model, HF model directory of the same base, description) at TP=PP=1."""
     from megatron_specdec import convert
-    from megatron_specdec.default_model import default_model_dir
-    from megatron_specdec.hf_conversion import model_from_hf
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.models.default_model import default_model_dir
+    from megatron_specdec.loading.hf_conversion import model_from_hf
+    from megatron_specdec.loading.speculative import load_speculative
 
     if args.model:
         model, _, _ = load_speculative(args.model)
@@ -94,8 +94,8 @@ def methods(args, model, hf_dir, eos, tree):
     """({name -> run(prompt ids) -> (tokens, GenerationResult or None)}, the HF model)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     n = args.max_new_tokens
@@ -123,9 +123,9 @@ def methods(args, model, hf_dir, eos, tree):
 
 
 def pinned(product, run):
-    """`run` with every decoding linear on `product` (layers/linear_kernels.PIN_ENV), the
+    """`run` with every decoding linear on `product` (models/layers/linear_kernels.PIN_ENV), the
     measured choice restored after it."""
-    from megatron_specdec.layers import linear_kernels
+    from megatron_specdec.models.layers import linear_kernels
 
     def call(ids):
         os.environ[linear_kernels.PIN_ENV] = product
@@ -188,7 +188,7 @@ ASSISTED = "transformers assisted (draft model)"
 def draft_model_generators(args, model, policies):
     """{"draft-model <name>": generator} for each {name: policy}, sharing one loaded draft
     model; none without --draft-model."""
-    from megatron_specdec.decoding.generator import SpeculativeGenerator, build_drafter
+    from megatron_specdec.inference.generator import SpeculativeGenerator, build_drafter
 
     if args.draft_model is None:
         return {}
@@ -206,7 +206,7 @@ def spec_runner(generator, max_new_tokens, eos):
 
 
 def main():
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -248,12 +248,9 @@ def main():
         raise SystemExit(f"--sampling-every {args.sampling_every}: expected >= 1")
 
     from megatron_specdec.data import end_of_turn_ids, load_tokenizer
-    from megatron_specdec.decoding.metrics import acceptance_summary
-    from megatron_specdec.decoding.validate import (
-        check_draft_model_args,
-        read_prompts,
-        tree_spec,
-    )
+    from megatron_specdec.inference.metrics import acceptance_summary
+    from megatron_specdec.cli.validate import check_draft_model_args, tree_spec
+    from megatron_specdec.evaluation.acceptance import read_prompts
 
     tree = tree_spec(args)
     if args.vllm_eagle3 and not (Path(args.vllm_eagle3) / "config.json").is_file():
@@ -392,7 +389,7 @@ def vllm_base(args, model_dir):
     the directory a --model checkpoint's base was converted from, else `model_dir`."""
     if args.vllm_base or not args.model:
         return Path(args.vllm_base or model_dir)
-    from megatron_specdec import checkpoint
+    from megatron_specdec.checkpointing import checkpoint
 
     source = Path(checkpoint.read_meta(args.model)["hf_config"].get("_name_or_path") or "")
     if not (source / "config.json").is_file():
@@ -435,7 +432,7 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
 
 def batch_throughput(model, hf_model, prompts, eos, args):
     """Plain greedy over left-padded batches of the prompts: project vs transformers."""
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generation import plain_generate
 
     out = {}
     for size in args.batch_sizes:
@@ -480,10 +477,10 @@ def hf_batch(hf_model, batch, eos, max_new_tokens):
 def sampling_speed(model, hf_model, prompts, eos, args):
     """tokens/s of sampling at --temperature: transformers, project plain, project
     speculative (the draft module, n-gram); seeded per prompt, outputs differ by design."""
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.metrics import acceptance_summary
-    from megatron_specdec.decoding.sampling import Sampling, TypicalAcceptance
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.metrics import acceptance_summary
+    from megatron_specdec.inference.sampling import Sampling, TypicalAcceptance
+    from megatron_specdec.inference.generation import plain_generate
 
     if not args.temperature:
         return {}

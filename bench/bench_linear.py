@@ -3,7 +3,7 @@
 for every weight shape of SmolLM2-135M and of an 8B Llama (Llama 3.1 8B) at 1-16 rows.
 
 A weight smaller than twice the L3 is multiplied as distinct copies in turn, so it streams
-from memory as in a decode step (layers/linear_kernels.time_candidates). Each cell prints
+from memory as in a decode step (models/layers/linear_kernels.time_candidates). Each cell prints
 milliseconds a product and its fraction of the read bound (weight bytes / measured read
 bandwidth: 1.0 = at the bound), and which product the kernel choice takes for the shape.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_specdec.layers.linear_kernels import (
+from megatron_specdec.models.layers.linear_kernels import (
     SMALL_BUCKETS,
     candidates,
     choose_small,
@@ -68,7 +68,7 @@ def describe_machine() -> dict:
 
 
 def main():
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

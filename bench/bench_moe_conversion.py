@@ -40,7 +40,7 @@ def write_random_moe(out: Path) -> Path:
     per-expert layout checkpoints hold on disk."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_specdec.weights import moe
+    from megatron_specdec.checkpointing import hf_moe as moe
 
     config = Qwen3MoeConfig(**QWEN3_MOE_1B, architectures=["Qwen3MoeForCausalLM"])
     with torch.device("meta"):
@@ -64,7 +64,7 @@ def main():
     p.add_argument("--hf-dir", type=Path, help="a model this bench wrote before")
     p.add_argument("--no-export", action="store_true", help="import only")
     args = p.parse_args()
-    from megatron_specdec.weights import files
+    from megatron_specdec.checkpointing import hf_files as files
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,11 +74,11 @@ def main():
         for ep in args.eps:
             ckpt, back = tmp / f"ckpt_ep{ep}", tmp / f"hf_ep{ep}"
             rows.append(run("hf_to_megatron", (
-                "from megatron_specdec.hf_conversion import hf_to_megatron; "
+                "from megatron_specdec.loading.hf_conversion import hf_to_megatron; "
                 f"hf_to_megatron({str(hf_dir)!r}, {str(ckpt)!r}, ep={ep}, dtype='bfloat16')"), ep))
             if not args.no_export:
                 rows.append(run("megatron_to_hf", (
-                    "from megatron_specdec.hf_conversion import megatron_to_hf; "
+                    "from megatron_specdec.loading.hf_conversion import megatron_to_hf; "
                     f"megatron_to_hf({str(ckpt)!r}, {str(back)!r})"), ep))
             subprocess.run(["rm", "-rf", str(ckpt.resolve()), str(ckpt), str(back)], check=True)
     cpu = next((line.split(":", 1)[1].strip() for line in

@@ -41,8 +41,8 @@ def child(s: int, limit_gib: float, recompute: bool):
     from transformers import Qwen3MoeConfig
 
     from megatron_specdec import distributed
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
 
     _watchdog(int(limit_gib * GIB))
     distributed.initialize(1, 1)

@@ -1,4 +1,4 @@
-"""Self-distillation throughput: the regenerator (`python -m megatron_specdec.data regenerate`,
+"""Self-distillation throughput: the regenerator (`python -m megatron_specdec.cli.data regenerate`,
 Megatron backend) answering steered prompts greedily, once per parameter dtype, in one process.
 
 The draft's data is what limits it (issue 14), and on a CPU its generation costs more than
@@ -38,7 +38,7 @@ def answer(dtype, rows, args, out_path):
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_specdec.data import regenerate
-    from megatron_specdec.data.megatron_backend import MegatronBackend
+    from megatron_specdec.inference.data_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
     backend = MegatronBackend("default", dtype=dtype)
@@ -107,7 +107,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging("WARNING")  # before megatron-core is imported: its benign warnings stay out
     main()

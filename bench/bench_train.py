@@ -1,7 +1,7 @@
 """Training throughput and peak memory of the shipped EAGLE3 SmolLM2 recipe: online vs
 offline mode, TP=1 vs TP=2 (torchrun), short runs.
 
-Each configuration is a real launch of `python -m megatron_specdec.train` (under
+Each configuration is a real launch of `python -m megatron_specdec.cli.train` (under
 `torch.distributed.run` for TP=2) on GSM8K question/answer conversations. Throughput is the
 median tokens/s (input tokens, padding included, over all ranks) of the steps after the
 first; setup is the time from launch to the first step (offline: includes dumping the base
@@ -53,7 +53,7 @@ def launch(mode: str, tp: int, dtype: str, args, data: Path, work: Path) -> dict
     launcher = [sys.executable]
     if tp > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
-    cmd = launcher + ["-m", "megatron_specdec.train", "--config",
+    cmd = launcher + ["-m", "megatron_specdec.cli.train", "--config",
                       str(REPO / "recipes" / "eagle3_smollm2.yaml"), *overrides]
     launched = time.time()
     wall, peak_mib = run_measured(cmd, cwd=REPO)
@@ -66,7 +66,7 @@ def launch(mode: str, tp: int, dtype: str, args, data: Path, work: Path) -> dict
 
 
 def main():
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
     p = argparse.ArgumentParser(description=__doc__,

@@ -87,8 +87,8 @@ def measured_matmul_rate(device, n: int) -> float:
 def build(shape: dict, dtype: torch.dtype):
     from transformers import LlamaConfig
 
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
     from megatron_specdec.training.optimizer import DraftOptimizer
 
     hf = LlamaConfig(num_hidden_layers=BASE_LAYERS, hidden_size=shape["hidden"],

@@ -6,7 +6,7 @@
 The step: forward and backward of an EAGLE3 draft shaped as Llama-3.1-8B's (hidden 4096,
 32/8 heads, intermediate 14336, vocabulary 128256, draft vocabulary 32000, one layer,
 7 TTT steps) over a 2-layer random base of the same shape, bf16, batch 1, the second half
-of the row scored (a prompt of s/2 tokens). "new" is `layers/ttt_attention.py`; "old" is
+of the row scored (a prompt of s/2 tokens). "new" is `methods/eagle3/ttt_attention.py`; "old" is
 its version at commit 70cdf82 (one s x s fp32 score block per step and head, softmaxed
 together with the per-step chain scores), read with `git show` and put in its place.
 
@@ -53,7 +53,7 @@ def _watchdog(limit_bytes: int):
 
 def _old_attention():
     """The TTT attention of OLD_COMMIT, called as the new one is."""
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:megatron_specdec/layers/ttt_attention.py"],
+    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:megatron_specdec/methods/eagle3/ttt_attention.py"],
                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
     old = types.ModuleType("ttt_attention_old")
     exec(compile(source, "ttt_attention_old.py", "exec"), old.__dict__)
@@ -69,7 +69,7 @@ def _attention_step(attention, s: int):
     7 steps, bf16), and a function running its forward and backward over all steps."""
     import torch
 
-    from megatron_specdec.layers.ttt_attention import TTTMask
+    from megatron_specdec.methods.eagle3.ttt_attention import TTTMask
 
     g = torch.Generator().manual_seed(0)
 
@@ -92,9 +92,9 @@ def child(impl: str, s: int, limit_gib: float, attention_only: bool, recompute: 
     from transformers import LlamaConfig
 
     from megatron_specdec import distributed
-    from megatron_specdec.layers import eagle3_layer, ttt_attention
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.methods.eagle3 import draft_layer as eagle3_layer, ttt_attention
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
 
     _watchdog(int(limit_gib * GIB))
     attention = _old_attention() if impl == "old" else ttt_attention.ttt_attention

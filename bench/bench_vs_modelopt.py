@@ -24,12 +24,12 @@ Phases (a finished one is skipped on rerun; everything goes under --work-dir):
      until --minutes of wall time from process start (a TrainerCallback) or --modelopt-steps;
      exported with ModelOpt's export_speculative_decoding (the layout vLLM loads: one layer as
      `layers.0.*`, d2t without t2d).
-  2. project: `python -m megatron_specdec.train --config recipes/eagle3_smollm2.yaml` online
+  2. project: `python -m megatron_specdec.cli.train --config recipes/eagle3_smollm2.yaml` online
      (the base forward paid each step, as on the ModelOpt side) with
      training.exit_duration_mins=--minutes and training.steps=--project-steps, then
      checkpoint_tools/export_draft.py.
   3. eval: both HF drafts imported onto one bfloat16 base checkpoint (checkpoint_tools/
-     import_draft.py) and measured by megatron_specdec.decoding.validate on the same prompts
+     import_draft.py) and measured by megatron_specdec.cli.validate on the same prompts
      (fixed chains of 7 drafts, greedy): acceptance length overall and per category.
 The steps of each side (--modelopt-steps, --project-steps) set where its cosine ends: choose
 them from each trainer's s/step on the idle machine (the JSON records it) so both decay by the
@@ -147,7 +147,7 @@ def modelopt_train(args, out: Path) -> dict:
     import modelopt
     import modelopt.torch.speculative as mtsp
     from megatron_specdec.data import ConversationDataset, calibrate
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     recipe = _recipe()
     hf_dir = default_model_dir()
@@ -252,7 +252,7 @@ def project_train(args, work: Path) -> dict:
     out = work / "project"
     log = work / "project.log"
     start = time.time()
-    _run(["-m", "megatron_specdec.train", "--config", RECIPE, f"output_dir={out}",
+    _run(["-m", "megatron_specdec.cli.train", "--config", RECIPE, f"output_dir={out}",
           "training.mode=online", f"training.exit_duration_mins={args.minutes}",
           f"training.steps={args.project_steps}", "evaluation.interval=0",
           "logging.progress_bar=false"], log)
@@ -286,7 +286,7 @@ def evaluate(args, work: Path, side: str, draft: Path) -> dict:
     ckpt, out = work / "eval" / side / "ckpt", work / "eval" / side
     _run(["checkpoint_tools/import_draft.py", "--draft", draft, "--model", base,
           "--out", ckpt, "--overwrite"], log)
-    cmd = ["-m", "megatron_specdec.decoding.validate", "--model", ckpt, "--data", args.prompts,
+    cmd = ["-m", "megatron_specdec.cli.validate", "--model", ckpt, "--data", args.prompts,
            "--out", out, "--max-new-tokens", args.max_new_tokens, "--num-draft-tokens",
            args.num_draft_tokens, "--draft-policy", "fixed", "--no-greedy"]
     if args.num_prompts:
@@ -325,7 +325,7 @@ def _table(result: dict) -> str:
 
 
 def main(argv=None):
-    from megatron_specdec.cli import setup_logging
+    from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # the benign megatron-core warnings stay out of the bench's output
     args = parse_args(argv)
@@ -339,7 +339,7 @@ def main(argv=None):
     if args.minutes <= 0:
         sys.exit(f"--minutes must be > 0, got {args.minutes}")
     python = modelopt_python((REPO / args.modelopt_env).resolve())
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     default_model_dir()  # materialised by the project's transformers, not the ModelOpt env's
     forwarded = ["--minutes", args.minutes, "--work-dir", work,

@@ -119,7 +119,7 @@ if "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
      run import_draft 120 "$py" checkpoint_tools/import_draft.py --draft models/eagle3_smollm2 \
        --model "$out/base" --out "$out/spec"; then
     for batch in 1 8; do
-      run "generation_b$batch" 150 "$py" -m megatron_specdec.decoding.validate --model "$out/spec" \
+      run "generation_b$batch" 150 "$py" -m megatron_specdec.cli.validate --model "$out/spec" \
         --data data/sources/mt_bench.jsonl --num-prompts $prompts --max-new-tokens $tokens \
         --batch-size $batch --out "$out/generation_b$batch"
     done

@@ -16,8 +16,8 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import ArgumentParser, run_cli
-from megatron_specdec.spec_config import ALGOS
+from megatron_specdec.cli.common import ArgumentParser, run_cli
+from megatron_specdec.methods.config import ALGOS
 
 RENAMED = {"--model_path": "--model", "--specdec_algo": "--algo", "--export_dir": "--out",
            "--draft_vocab_size": "--draft-vocab-size", "--calibration_data": "--calibration-data",
@@ -70,7 +70,7 @@ def draft_config(args) -> dict:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.spec_conversion import convert_checkpoint
+    from megatron_specdec.loading.conversion import convert_checkpoint
 
     start = time.time()
     cfg = convert_checkpoint(args.model, args.out, args.algo,

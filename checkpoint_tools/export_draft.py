@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 
 def build_parser():
@@ -49,8 +49,10 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec import checkpoint
-    from megatron_specdec.export import draft_source, eagle3_hf, full_export, medusa_hf
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.export import draft_source, full_export
+    from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
+    from megatron_specdec.methods.medusa import hf_export as medusa_hf
 
     algo = draft_source.draft_meta(args.model).get("draft", {}).get("algo", "eagle3")
     if args.verify_with and algo != "eagle3":
@@ -85,7 +87,7 @@ def verify(args):
     from pathlib import Path
 
     from megatron_specdec.engines import verify_export
-    from megatron_specdec.hf_conversion import megatron_to_hf
+    from megatron_specdec.loading.hf_conversion import megatron_to_hf
 
     out = Path(args.out)
     draft = out / "eagle3" if args.full else out

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 
 def build_parser():
@@ -38,7 +38,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     start = time.time()
     out = hf_to_megatron(args.model, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,

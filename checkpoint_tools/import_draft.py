@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 
 def build_parser():
@@ -33,7 +33,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.export.draft_import import import_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
 
     start = time.time()
     import_eagle3(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 
 def build_parser():
@@ -26,7 +26,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.hf_conversion import DEFAULT_MAX_SHARD_MB, megatron_to_hf
+    from megatron_specdec.loading.hf_conversion import DEFAULT_MAX_SHARD_MB, megatron_to_hf
 
     if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise ValueError(f"--max-shard-mb {args.max_shard_mb}: expected a positive size in MiB")

@@ -1,6 +1,6 @@
 """Depth-prune a GPT into a draft model of the same vocabulary: keep the --num-layers layers of
 highest measured importance (block influence on --data conversations; see
-megatron_specdec/depth_pruning.py) and write a normal checkpoint (tokenizer included) that
+megatron_specdec/methods/draft_model/pruning.py) and write a normal checkpoint (tokenizer included) that
 `--drafter draft-model --draft-model OUT` drafts with and megatron_to_hf exports.
 
     python checkpoint_tools/prune_depth.py --model default --num-layers 10 \\
@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 log = logging.getLogger("prune_depth")
 
@@ -34,11 +34,13 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec import checkpoint, depth_pruning, distributed
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.methods.draft_model import pruning as depth_pruning
+    from megatron_specdec import distributed
     from megatron_specdec.data import load_tokenizer
-    from megatron_specdec.hf_conversion import base_meta
-    from megatron_specdec.loading import load_model
-    from megatron_specdec.model_provider import resolve_transformer_impl
+    from megatron_specdec.loading.hf_conversion import base_meta
+    from megatron_specdec.loading.source import load_model
+    from megatron_specdec.models.provider import resolve_transformer_impl
 
     checkpoint.check_output_dir(args.out, args.overwrite, "--out")
     distributed.initialize(1, 1)

@@ -11,7 +11,7 @@ Written to a temporary directory beside --out and renamed into place when comple
 
 import sys
 
-from megatron_specdec.cli import ArgumentParser, run_cli
+from megatron_specdec.cli.common import ArgumentParser, run_cli
 
 
 def build_parser():
@@ -31,7 +31,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.default_model import resolve_model_path
+    from megatron_specdec.models.default_model import resolve_model_path
     from megatron_specdec.export.draft_vocab_recalibrate import recalibrate
 
     result = recalibrate(args.draft, resolve_model_path(args.model), args.data, args.out,

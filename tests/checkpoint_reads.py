@@ -4,7 +4,7 @@ view keeps its base alive, so the pieces split from a tensor count as it)."""
 
 import weakref
 
-from megatron_specdec.weights import files
+from megatron_specdec.checkpointing import hf_files as files
 
 
 class LiveLoads:

@@ -53,7 +53,7 @@ def shared_data():
 
 @pytest.fixture(scope="session")
 def default_hf_dir():
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     return default_model_dir()
 

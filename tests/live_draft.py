@@ -83,8 +83,8 @@ def write(live: LiveFit, base_dir, out_dir, num_layers=1):
     for the HF base in `base_dir`."""
     from transformers import AutoConfig
 
-    from megatron_specdec import spec_config
-    from megatron_specdec.export import eagle3_hf
+    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
 
     base = AutoConfig.from_pretrained(base_dir)
     cfg = spec_config.parse("eagle3", {"eagle_num_layers": num_layers,

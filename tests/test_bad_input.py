@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint_tools import hf_to_megatron, megatron_to_hf
 from conftest import REPO
-from megatron_specdec import checkpoint
+from megatron_specdec.checkpointing import checkpoint
 
 
 def _run_cli(module, args, capsys):
-    rc = __import__("megatron_specdec.cli", fromlist=["run_cli"]).run_cli(lambda: module.main(args))
+    rc = __import__("megatron_specdec.cli.common", fromlist=["run_cli"]).run_cli(lambda: module.main(args))
     return rc, capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ target."""
 import os
 import threading
 
-from megatron_specdec import checkpoint
+from megatron_specdec.checkpointing import checkpoint
 
 
 def _version(parent, name, text):

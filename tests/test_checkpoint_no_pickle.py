@@ -9,7 +9,8 @@ import io
 import pytest
 import torch
 
-from megatron_specdec import checkpoint, distributed, pickle_guard
+from megatron_specdec.checkpointing import checkpoint, pickle_guard
+from megatron_specdec import distributed
 
 HF = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=300, max_position_embeddings=64,
@@ -30,8 +31,8 @@ class _Payload:
 def tiny():
     from transformers import LlamaConfig
 
-    from megatron_specdec.hf_conversion import base_meta
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.loading.hf_conversion import base_meta
+    from megatron_specdec.models.provider import build_model
 
     distributed.initialize(1, 1)
     config = LlamaConfig(**HF)

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from checkpoint_tools import (convert_speculative, export_draft, hf_to_megatron, import_draft,
                               megatron_to_hf, prune_depth, recalibrate_draft_vocab)
 from conftest import REPO
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli.common import run_cli
 
 SHIPPED_DRAFT_CONFIG = REPO / "models" / "eagle3_smollm2" / "config.json"
 DATA = REPO / "data" / "smollm2_regen.jsonl.gz"

@@ -11,8 +11,8 @@ from typing import Optional
 import pytest
 
 from conftest import REPO
-from megatron_specdec import reference_docs
-from megatron_specdec.reference_docs import TOOLS, flags, key_rows, parser_of, subcommands
+from megatron_specdec.cli import reference_docs
+from megatron_specdec.cli.reference_docs import TOOLS, flags, key_rows, parser_of, subcommands
 from megatron_specdec.training.recipe import Recipe
 
 # Spellings of the model flag before the convention; none may be a flag of any tool now.
@@ -104,7 +104,7 @@ def test_reference_docs_are_generated_from_the_code():
     for path, text in reference_docs.documents().items():
         assert path.is_file() and path.read_text() == text, (
             f"{path.relative_to(REPO)} differs from the code: run "
-            f"`python -m megatron_specdec.reference_docs`")
+            f"`python -m megatron_specdec.cli.reference_docs`")
     cli = (REPO / "docs" / "reference" / "cli.md").read_text()
     for name, parser in _parsers():
         for names, _ in flags(parser):

@@ -8,7 +8,7 @@ import torch
 
 from checkpoint_tools import convert_speculative
 from megatron_specdec import distributed
-from megatron_specdec.cli import run_cli
+from megatron_specdec.cli.common import run_cli
 
 CONVERSATIONS = [
     {"id": str(i), "conversations": [
@@ -23,7 +23,7 @@ CONVERSATIONS = [
 
 
 def _import_base(out):
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     hf_to_megatron("default", out, tp=1, pp=1)
 
@@ -50,8 +50,9 @@ def _cli(argv, capsys):
 def _train_worker(ckpt, out_file):
     """Load at TP=1 x PP=1, take two optimizer steps, report what changed."""
     from megatron_specdec.training.schedule import forward_backward, reduce_reports
-    from megatron_specdec.export import draft_source, eagle3_hf
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.export import draft_source
+    from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
+    from megatron_specdec.loading.speculative import load_speculative
 
     distributed.initialize(1, 1)
     model, hf_config, meta = load_speculative(ckpt)

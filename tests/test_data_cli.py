@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_specdec.data import DraftVocab
-from megatron_specdec.data.__main__ import main
+from megatron_specdec.cli.data import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO / "data" / "sources"
@@ -15,7 +15,7 @@ DATA_DIR = REPO / "data" / "sources"
 
 def test_help_lists_the_commands():
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.data", "--help"],
+        [sys.executable, "-m", "megatron_specdec.cli.data", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Requests about a given text (`python -m megatron_specdec.data ground`): passages are cut at a
+"""Requests about a given text (`python -m megatron_specdec.cli.data ground`): passages are cut at a
 paragraph or sentence end, every prompt holds its passage whole inside one of the requests,
 the draw is fixed by the seed, and bad requests files or settings fail naming the file, line
 or flag."""
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_specdec.data import grounded
-from megatron_specdec.data.__main__ import main
+from megatron_specdec.cli.data import main
 from megatron_specdec.data.jsonl import DataError
 
 

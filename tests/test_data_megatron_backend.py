@@ -14,7 +14,7 @@ from megatron_specdec.data import PromptRow, regenerate
 def test_regenerated_answer_matches_hf_greedy(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_specdec.data.megatron_backend import MegatronBackend
+    from megatron_specdec.inference.data_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
     backend = MegatronBackend("default")
@@ -52,8 +52,8 @@ def test_regenerated_answer_matches_hf_greedy(tmp_path):
 
 @pytest.mark.slow
 def test_bfloat16_backend_holds_bfloat16_weights_and_answers_alike(tmp_path):
-    from megatron_specdec.checkpoint import dtype_from_name
-    from megatron_specdec.data.megatron_backend import MegatronBackend
+    from megatron_specdec.checkpointing.checkpoint import dtype_from_name
+    from megatron_specdec.inference.data_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
     rows = [PromptRow("s:1", "s", ("Is the sky blue? Answer yes or no.",))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_specdec.data import load_tokenizer, read_conversations
-from megatron_specdec.data.__main__ import main
+from megatron_specdec.cli.data import main
 from megatron_specdec.data.openai_backend import BackendError, OpenAIBackend
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "sources"

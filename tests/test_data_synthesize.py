@@ -11,7 +11,7 @@ from megatron_specdec.data.synthesize import synthesize_prompts, user_turn_prefi
 
 @pytest.fixture(scope="module")
 def backend():
-    from megatron_specdec.data.megatron_backend import MegatronBackend
+    from megatron_specdec.inference.data_backend import MegatronBackend
     from megatron_specdec.distributed import destroy
 
     backend = MegatronBackend("default")
@@ -90,7 +90,7 @@ def test_an_empty_user_prefix_is_refused(tmp_path):
 
 
 def test_the_cli_names_a_prefix_file_without_prefixes(tmp_path):
-    from megatron_specdec.data.__main__ import _read_prefixes
+    from megatron_specdec.cli.data import _read_prefixes
 
     path = tmp_path / "prefixes.txt"
     path.write_text("# only a comment\n\n")

@@ -29,8 +29,8 @@ def model():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 128, 300])
 def test_every_product_equals_f_linear(rows):
-    from megatron_specdec.layers.linear_kernels import candidates, CANDIDATES
-    from megatron_specdec.layers.small_rows_linear import rows_linear
+    from megatron_specdec.models.layers.linear_kernels import candidates, CANDIDATES
+    from megatron_specdec.models.layers.small_rows_linear import rows_linear
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, 96, generator=g)[:, :, :64]  # a non-contiguous input
@@ -44,7 +44,7 @@ def test_every_product_equals_f_linear(rows):
 @pytest.fixture
 def choice_cache(tmp_path, monkeypatch):
     """An empty cache directory; measurements are counted, not run (fixed timings)."""
-    from megatron_specdec.layers import linear_kernels
+    from megatron_specdec.models.layers import linear_kernels
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.delenv(linear_kernels.PIN_ENV, raising=False)
@@ -78,7 +78,7 @@ def test_kernel_choice_is_measured_once_then_read_from_the_cache(choice_cache):
 
 
 def test_kernel_choice_keeps_the_row_invariant_product_within_its_margin():
-    from megatron_specdec.layers.linear_kernels import SMALL_BUCKETS, WIDE_BUCKETS, choose
+    from megatron_specdec.models.layers.linear_kernels import SMALL_BUCKETS, WIDE_BUCKETS, choose
 
     buckets = SMALL_BUCKETS + WIDE_BUCKETS
     near = {"skinny": {b: 1.05 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
@@ -128,7 +128,7 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(model):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_specdec.layers.decode_attention import SDPAttention, grouped_sdpa
+    from megatron_specdec.models.layers.decode_attention import SDPAttention, grouped_sdpa
 
     config = model.base.config
     args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.arbitrary,
@@ -152,7 +152,7 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(model):
 
 
 def test_decode_over_the_cache_equals_a_full_forward(model):
-    from megatron_specdec.generation import StageRunner
+    from megatron_specdec.inference.generation import StageRunner
 
     tokens = torch.randint(0, HF["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(3))
     full = StageRunner(model.base, 1, 30, HF["vocab_size"]).step(tokens)
@@ -166,7 +166,7 @@ def test_decode_over_the_cache_equals_a_full_forward(model):
 
 @pytest.fixture
 def skinny_everywhere(monkeypatch):
-    from megatron_specdec.layers import linear_kernels
+    from megatron_specdec.models.layers import linear_kernels
 
     if "skinny" not in linear_kernels.candidates(torch.float32):
         pytest.skip("megatron_specdec._C is not built with skinny_linear")
@@ -179,7 +179,7 @@ def skinny_everywhere(monkeypatch):
 def test_verify_forward_equals_plain_steps_bitwise(model, skinny_everywhere):
     """On the row-invariant product, the logits of a k+1-token verify forward are bitwise those
     of k+1 plain one-token steps: speculative output equals greedy by construction."""
-    from megatron_specdec.generation import StageRunner
+    from megatron_specdec.inference.generation import StageRunner
 
     tokens = torch.randint(0, HF["vocab_size"], (1, 28), generator=torch.Generator().manual_seed(6))
     verify, steps = (StageRunner(model.base, 1, 28, HF["vocab_size"]) for _ in range(2))
@@ -204,7 +204,7 @@ def test_speculative_equals_greedy_on_the_skinny_product(skinny_everywhere, tmp_
 
 
 def test_left_padded_batch_rows_equal_their_batch_1_output(model):
-    from megatron_specdec.generation import StageRunner, plain_generate, left_pad
+    from megatron_specdec.inference.generation import StageRunner, plain_generate, left_pad
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, HF["vocab_size"], (n,), generator=g).tolist() for n in (3, 17, 9)]
@@ -220,7 +220,7 @@ def test_left_padded_batch_rows_equal_their_batch_1_output(model):
 
 
 def test_finished_rows_leave_a_greedy_batch_and_the_rest_keep_their_output(model, monkeypatch):
-    from megatron_specdec.generation import StageRunner, plain_generate
+    from megatron_specdec.inference.generation import StageRunner, plain_generate
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, HF["vocab_size"], (n,), generator=g).tolist()
@@ -237,8 +237,8 @@ def test_finished_rows_leave_a_greedy_batch_and_the_rest_keep_their_output(model
 
 
 def test_bad_generation_input_is_named(model):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
         plain_generate(model.base, [[1, 2], []], 4, HF["vocab_size"])
@@ -263,7 +263,7 @@ def test_folded_grouped_attention_runs_on_a_fused_cuda_kernel(dtype):
     the cache) and equals the math path's result."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatron_specdec.layers.decode_attention import grouped_sdpa
+    from megatron_specdec.models.layers.decode_attention import grouped_sdpa
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 64, 9, 64, device="cuda", dtype=dtype, generator=g)
@@ -279,8 +279,8 @@ def test_folded_grouped_attention_runs_on_a_fused_cuda_kernel(dtype):
 
 
 def test_adaptive_threshold_is_the_measured_cost_ratio(monkeypatch):
-    from megatron_specdec.decoding import draft_policy
-    from megatron_specdec.decoding.draft_policy import DraftPolicy, StepCosts, draft_chain
+    from megatron_specdec.inference import draft_policy
+    from megatron_specdec.inference.draft_policy import DraftPolicy, StepCosts, draft_chain
 
     costs = StepCosts(decay=0.5)
     monkeypatch.setattr(draft_policy, "COSTS", costs)

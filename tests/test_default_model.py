@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from megatron_specdec import default_model
+from megatron_specdec.models import default_model
 
 
 def test_the_materialised_tokenizer_names_the_config_eos(default_hf_dir):

@@ -109,8 +109,8 @@ def _flags(args):
 
 def test_the_documents_hold_commands():
     tools = {args[1] if args[0] == "-m" else args[0] for _, args in COMMANDS}
-    assert len(COMMANDS) > 40 and {"checkpoint_tools/hf_to_megatron.py", "megatron_specdec.train",
-                                   "megatron_specdec.decoding.validate"} <= tools, sorted(tools)
+    assert len(COMMANDS) > 40 and {"checkpoint_tools/hf_to_megatron.py", "megatron_specdec.cli.train",
+                                   "megatron_specdec.cli.validate"} <= tools, sorted(tools)
 
 
 TOOL_COMMANDS = [(d, a) for d, a in COMMANDS if not a[0].startswith("bench/")]
@@ -140,11 +140,11 @@ def test_bench_flags_exist():
 
 
 @pytest.mark.parametrize("doc,args", [(d, a) for d, a in COMMANDS
-                                      if a[:2] == ["-m", "megatron_specdec.train"]])
+                                      if a[:2] == ["-m", "megatron_specdec.cli.train"]])
 def test_train_commands_load_their_recipe(doc, args):
     from megatron_specdec.training import load_recipe
 
-    parsed = importlib.import_module("megatron_specdec.train").build_parser().parse_args(args[2:])
+    parsed = importlib.import_module("megatron_specdec.cli.train").build_parser().parse_args(args[2:])
     assert parsed.config, f"{doc}: a train command without --config"
     load_recipe(REPO / parsed.config, parsed.overrides)
 

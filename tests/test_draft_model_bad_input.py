@@ -9,7 +9,8 @@ from argparse import Namespace
 
 import pytest
 
-from megatron_specdec import checkpoint, distributed
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec import distributed
 from test_draft_model_generation import save_draft
 
 
@@ -46,14 +47,14 @@ def edited(src, dst, edit):
 
 
 def test_matching_draft_passes(draft):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     path, ours, _ = draft
     assert check_draft_checkpoint(path, 512, ours)["hf_config"]["vocab_size"] == 512
 
 
 def test_other_vocabulary_size_is_refused_naming_both(draft, tmp_path):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     bigger = edited(draft[0], tmp_path / "d", lambda m: m["hf_config"].update(vocab_size=640))
     with pytest.raises(ValueError, match=r"vocab_size 640 .*the target's is 512"):
@@ -61,7 +62,7 @@ def test_other_vocabulary_size_is_refused_naming_both(draft, tmp_path):
 
 
 def test_other_tokenizer_is_refused_naming_both(draft):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     path, _, theirs = draft
     with pytest.raises(ValueError, match="tokenizer") as error:
@@ -71,7 +72,7 @@ def test_other_tokenizer_is_refused_naming_both(draft):
 
 
 def test_speculative_checkpoint_is_refused_by_name(draft, tmp_path):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     spec = edited(draft[0], tmp_path / "d", lambda m: m.update(draft={"algo": "eagle3"}))
     with pytest.raises(checkpoint.CheckpointError, match="speculative checkpoint.*eagle3"):
@@ -79,7 +80,7 @@ def test_speculative_checkpoint_is_refused_by_name(draft, tmp_path):
 
 
 def test_unsupported_architecture_is_refused_by_name(draft, tmp_path):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     gpt2 = edited(draft[0], tmp_path / "d",
                   lambda m: m["hf_config"].update(architectures=["GPT2LMHeadModel"]))
@@ -88,7 +89,7 @@ def test_unsupported_architecture_is_refused_by_name(draft, tmp_path):
 
 
 def test_hf_eagle3_directory_is_refused_by_name(tmp_path):
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["LlamaForCausalLMEagle3"]}))
@@ -98,7 +99,7 @@ def test_hf_eagle3_directory_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("drafter,path", [("draft-model", None), ("ngram", "somewhere")])
 def test_draft_model_flags_go_together(drafter, path):
-    from megatron_specdec.decoding.validate import check_draft_model_args
+    from megatron_specdec.cli.validate import check_draft_model_args
 
     with pytest.raises(ValueError, match="--draft-model"):
         check_draft_model_args(Namespace(drafter=drafter, draft_model=path), 512, None)

@@ -45,7 +45,7 @@ def reference(setup):
 
 def test_distill_loss_is_cross_entropy_to_the_base():
     from megatron_specdec import distributed
-    from megatron_specdec.layers import losses
+    from megatron_specdec.models.layers import losses
 
     distributed.initialize(1, 1)
     torch.manual_seed(0)
@@ -65,8 +65,8 @@ def test_distill_loss_is_cross_entropy_to_the_base():
 
 
 def test_distillation_trains_the_draft_and_writes_a_gpt_checkpoint(setup, reference):
-    from megatron_specdec import checkpoint
-    from megatron_specdec.decoding.draft_model_drafter import check_draft_checkpoint
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
     from megatron_specdec.training.metrics import read_log
 
     root, _, _, student = setup

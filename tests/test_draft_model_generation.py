@@ -26,8 +26,8 @@ def draft_model(keep):
     """This rank's stage of a GPT holding the target's embedding, head and layers `keep`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
 
     torch.manual_seed(0)  # the target's weights (test_speculative_generation.build)
     state = LlamaForCausalLM(LlamaConfig(**HF)).state_dict()
@@ -46,8 +46,8 @@ def draft_model(keep):
 
 
 def save_draft(path, keep, tokenizer_dir=None):
-    from megatron_specdec import checkpoint
-    from megatron_specdec.hf_conversion import base_meta
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.loading.hf_conversion import base_meta
 
     model, config = draft_model(keep)
     checkpoint.save_checkpoint(model, path, base_meta(config, model, torch.float32, "local"),
@@ -55,9 +55,9 @@ def save_draft(path, keep, tokenizer_dir=None):
 
 
 def identity_worker(tp, pp, draft_dir, out_file):
-    from megatron_specdec.decoding.draft_policy import DraftPolicy
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     distributed.initialize(tp, pp)
     save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
@@ -86,8 +86,8 @@ def test_draft_model_speculation_equals_greedy(tp, pp, tmp_path):
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted():
-    from megatron_specdec.decoding.draft_model_drafter import DraftModelDrafter
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.methods.draft_model.proposer import DraftModelDrafter
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     distributed.initialize(1, 1)
     model = build("eagle3")

@@ -1,4 +1,4 @@
-"""Depth pruning (megatron_specdec/depth_pruning.py) on a small seeded random Llama: a layer
+"""Depth pruning (megatron_specdec/methods/draft_model/pruning.py) on a small seeded random Llama: a layer
 made an identity (its output projections zeroed) scores zero block influence and is the one
 dropped, and the pruned model then generates exactly the full model's greedy tokens (the
 kept layers' weights and order carried over); a bad layer count is named."""
@@ -12,8 +12,8 @@ from test_speculative_generation import HF, PROMPT
 
 
 def test_identity_layer_is_pruned_and_output_unchanged():
-    from megatron_specdec.depth_pruning import layer_importance, layers_to_keep, prune
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.methods.draft_model.pruning import layer_importance, layers_to_keep, prune
+    from megatron_specdec.inference.generation import plain_generate
 
     distributed.initialize(1, 1)
     model, config = draft_model([0, 1, 2, 3])

@@ -13,10 +13,10 @@ NEW, RUNS, K = 2, 100, 2
 
 
 def test_draft_model_sampling_matches_plain_sampling():
-    from megatron_specdec.decoding.draft_model_drafter import DraftModelDrafter
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.methods.draft_model.proposer import DraftModelDrafter
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+    from megatron_specdec.inference.generation import plain_generate
 
     distributed.initialize(1, 1)
     model = build("eagle3")

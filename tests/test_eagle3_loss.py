@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.layers import losses
-from megatron_specdec.layers.eagle3_module import shift_right
+from megatron_specdec.models.layers import losses
+from megatron_specdec.methods.eagle3.layers import shift_right
 
 from test_eagle3_unit import _tiny_model, dense_ttt_mask
 

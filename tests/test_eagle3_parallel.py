@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.weights import mapping
+from megatron_specdec.checkpointing import hf_mapping as mapping
 from workers import is_writer
 
 ALGOS = {
@@ -45,7 +45,8 @@ def batches():
 
 def draft_table(model):
     """(rules, count to expand them over, geometry) of this model's draft."""
-    from megatron_specdec.weights import eagle3, medusa
+    from megatron_specdec.methods.eagle3 import hf_weights as eagle3
+    from megatron_specdec.methods.medusa import hf_weights as medusa
 
     cfg, hf = model.spec_config, tiny_hf_config()
     if cfg.algo == "eagle3":
@@ -58,9 +59,9 @@ def build(algo, hf_draft=None):
     from megatron.core import parallel_state as ps
     from transformers import LlamaForCausalLM
 
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
 
     hf = tiny_hf_config()
     torch.manual_seed(0)
@@ -121,7 +122,7 @@ def hf_draft_tensors(model, grads=True):
 
 
 def run(algo, hf_draft):
-    from megatron_specdec.decoding.embedding import last_stage_embedding
+    from megatron_specdec.inference.embedding import last_stage_embedding
     from megatron_specdec.training.schedule import forward_backward, reduce_reports
 
     model = build(algo, hf_draft)
@@ -148,8 +149,8 @@ def layout_worker(tp, pp, drafts, out_file):
 
 
 def save_worker(tp, pp, drafts, ckpt_dir, out_file):
-    from megatron_specdec.speculative import save_speculative
-    from megatron_specdec.hf_conversion import base_meta
+    from megatron_specdec.loading.speculative import save_speculative
+    from megatron_specdec.loading.hf_conversion import base_meta
 
     distributed.initialize(tp, pp)
     reports = {}
@@ -163,7 +164,7 @@ def save_worker(tp, pp, drafts, ckpt_dir, out_file):
 
 
 def load_worker(tp, pp, ckpt_dir, out_file):
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.loading.speculative import load_speculative
     from megatron_specdec.training.schedule import forward_backward, reduce_reports
 
     distributed.initialize(tp, pp)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_specdec import spec_config
-from megatron_specdec.families import rope_settings
-from megatron_specdec.layers import losses
-from megatron_specdec.layers.ttt_attention import TTTMask, ttt_attention
-from megatron_specdec.spec_config import SpecConfigError
+from megatron_specdec.methods import config as spec_config
+from megatron_specdec.models.families import rope_settings
+from megatron_specdec.models.layers import losses
+from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
+from megatron_specdec.methods.config import SpecConfigError
 
 
 # ---- configuration ------------------------------------------------------------------------
@@ -129,9 +129,9 @@ def test_soft_cross_entropy_matches_plain_softmax(one_process):
 def _tiny_model(draft_layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.speculative import convert
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
 
     hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=128, vocab_size=512,
@@ -205,7 +205,8 @@ class ReferenceDraft:
 
 @pytest.mark.parametrize("draft_layers", [1, 2])
 def test_aux_capture_and_ttt_match_stepwise_drafting(one_process, draft_layers):
-    from megatron_specdec.weights import eagle3, mapping
+    from megatron_specdec.methods.eagle3 import hf_weights as eagle3
+    from megatron_specdec.checkpointing import hf_mapping as mapping
 
     model, hf, hf_model = _tiny_model(draft_layers)
     s = 10
@@ -294,8 +295,9 @@ def test_packed_sequences_train_like_separate_ones(one_process):
 
 
 def test_modelopt_layernorm_switches(one_process):
-    from megatron_specdec.speculative import convert
-    from megatron_specdec.weights import eagle3, mapping
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.methods.eagle3 import hf_weights as eagle3
+    from megatron_specdec.checkpointing import hf_mapping as mapping
 
     model, hf, _ = _tiny_model(1)
     model = convert(model.base, "eagle3", {"use_input_layernorm_in_first_layer": False,
@@ -316,9 +318,9 @@ def test_modelopt_layernorm_switches(one_process):
 def test_lm_head_init_from_base_follows_the_draft_vocab(one_process):
     """lm_head_init="base": each draft row is the base's output row of its target id, and a
     calibrated vocabulary moves the rows with it; the final norm is the base's."""
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert, set_draft_vocab
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert, set_draft_vocab
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,

@@ -47,8 +47,8 @@ def vllm_env():
 def _project_greedy(prompts, out_file):
     """The project's greedy continuations of SmolLM2 (fp32), K tokens past NEW_TOKENS (what a
     last round verifies beyond the end)."""
-    from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import model_from_hf
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.loading.hf_conversion import model_from_hf
 
     distributed.initialize(1, 1)
     model, config = model_from_hf("default")
@@ -71,7 +71,7 @@ def project_greedy(vllm_env, prompts, module_tmp):
 @pytest.fixture(scope="module")
 def base_tp2(vllm_env, module_tmp):
     """SmolLM2 (fp32) saved at TP=2 (its 3 query groups padded to 4)."""
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     out = module_tmp("base") / "base"
     hf_to_megatron("default", out, tp=2)
@@ -83,7 +83,7 @@ def served(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     """EAGLE3 exports (TP=2 checkpoints -> export_draft) and one vLLM process serving greedy
     and every draft on the same prompts."""
     from checkpoint_tools import export_draft
-    from megatron_specdec.export.draft_import import import_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
 
     import live_draft
 
@@ -260,7 +260,7 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     from collections import Counter
 
     from checkpoint_tools import export_draft, megatron_to_hf
-    from megatron_specdec.spec_conversion import convert_checkpoint
+    from megatron_specdec.loading.conversion import convert_checkpoint
 
     root = module_tmp("heads")
     convert_checkpoint(base_tp2, root / "medusa_tp2", "medusa",

@@ -39,9 +39,9 @@ def _build(name):
     vocabulary. Padded query groups and padded vocabulary rows hold zeros."""
     from transformers import LlamaForCausalLM
 
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
 
     hf = tiny_hf_config()
     torch.manual_seed(0)
@@ -71,9 +71,9 @@ def _build(name):
 def make_checkpoints(root, names, layouts):
     """Save `names` at the first layout from seeded weights, then load and re-save them at
     each later layout; also a base-only checkpoint `base`."""
-    from megatron_specdec import checkpoint
-    from megatron_specdec.hf_conversion import base_meta
-    from megatron_specdec.speculative import load_speculative, save_speculative
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.loading.hf_conversion import base_meta
+    from megatron_specdec.loading.speculative import load_speculative, save_speculative
 
     (first, tp, pp), rest = layouts[0], layouts[1:]
     distributed.initialize(tp, pp)
@@ -98,8 +98,8 @@ def ckpts(module_tmp):
 
 @pytest.fixture(scope="module")
 def exported(ckpts, module_tmp):
-    from megatron_specdec.export.eagle3_hf import export_eagle3
-    from megatron_specdec.export.medusa_hf import export_medusa
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
+    from megatron_specdec.methods.medusa.hf_export import export_medusa
 
     root = module_tmp("hf")
     out = {}
@@ -128,8 +128,8 @@ def test_every_layout_exports_identical_bytes(exported, name):
 
 
 def test_eagle3_config_and_tensors(exported, ckpts):
-    from megatron_specdec import checkpoint
-    from megatron_specdec.export.eagle3_hf import tensor_shapes
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.methods.eagle3.hf_export import tensor_shapes
 
     config, tensors = _read(exported["eagle3", "tp2"])
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -162,7 +162,7 @@ def test_eagle3_config_and_tensors(exported, ckpts):
 
 
 def test_multi_layer_draft_uses_layers_i(exported):
-    from megatron_specdec.export.eagle3_hf import tensor_shapes
+    from megatron_specdec.methods.eagle3.hf_export import tensor_shapes
 
     config, tensors = _read(exported["eagle3_2layers", "tp1"])
     assert config["num_hidden_layers"] == 2
@@ -174,8 +174,8 @@ def test_multi_layer_draft_uses_layers_i(exported):
 
 
 def test_medusa_fasterdecoding_layout(exported, ckpts):
-    from megatron_specdec import checkpoint
-    from megatron_specdec.export.medusa_hf import tensor_shapes
+    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.methods.medusa.hf_export import tensor_shapes
 
     directory = exported["medusa", "pp2"]
     names = sorted(p.name for p in directory.iterdir())
@@ -214,7 +214,7 @@ def test_engine_loaders_accept_the_export(exported, engine):
 
 def _cli(argv, capsys):
     from checkpoint_tools import export_draft
-    from megatron_specdec.cli import run_cli
+    from megatron_specdec.cli.common import run_cli
 
     code = run_cli(lambda: export_draft.main([str(a) for a in argv]))
     return code, capsys.readouterr().err
@@ -254,8 +254,8 @@ def test_no_draft_module_is_refused_and_writes_nothing(ckpts, tmp_path, capsys, 
 
 
 def test_wrong_algorithm_and_overwrite(ckpts, tmp_path, capsys):
-    from megatron_specdec.checkpoint import CheckpointError
-    from megatron_specdec.export.medusa_hf import export_medusa
+    from megatron_specdec.checkpointing.checkpoint import CheckpointError
+    from megatron_specdec.methods.medusa.hf_export import export_medusa
 
     with pytest.raises(CheckpointError, match="holds a eagle3 draft module, not medusa"):
         export_medusa(ckpts / "eagle3_tp1", tmp_path / "m")
@@ -275,8 +275,9 @@ def test_wrong_algorithm_and_overwrite(ckpts, tmp_path, capsys):
 def test_unmapped_draft_tensor_is_an_error(ckpts):
     """A draft tensor the weight table has no HF name for (a Qwen2 q/k/v bias, Qwen3 q/k norms)
     stops the export by name instead of being dropped."""
-    from megatron_specdec.export import draft_source, eagle3_hf
-    from megatron_specdec.weights.mapping import WeightMappingError
+    from megatron_specdec.export import draft_source
+    from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
+    from megatron_specdec.checkpointing.hf_mapping import WeightMappingError
 
     source = draft_source.read_draft(ckpts / "eagle3_tp1", "eagle3")
     extra = {"layers.0.self_attention.linear_qkv.bias": torch.zeros(128)}
@@ -299,8 +300,8 @@ def test_help(capsys):
 def test_sharded_export_holds_the_same_tensors(ckpts, exported, tmp_path):
     """--max-shard-mb: files under the limit, an index naming every tensor's file, and the
     same tensors as the single-file export (read back as the importer and engines read)."""
-    from megatron_specdec.export.draft_import import read_hf_draft
-    from megatron_specdec.export.eagle3_hf import export_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import read_hf_draft
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
 
     limit_mb = 0.05
     out = export_eagle3(ckpts / "eagle3_tp1", tmp_path / "sharded", max_shard_mb=limit_mb)
@@ -326,9 +327,9 @@ def test_draft_export_holds_one_checkpoint_tensor_at_a_time(ckpts, exported, tmp
     export read the whole draft in one load), and the files are the same bytes."""
     from checkpoint_reads import LiveLoads
 
-    from megatron_specdec.export.eagle3_hf import export_eagle3
-    from megatron_specdec.export.medusa_hf import export_medusa
-    from megatron_specdec.weights import files
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
+    from megatron_specdec.methods.medusa.hf_export import export_medusa
+    from megatron_specdec.checkpointing import hf_files as files
 
     export = export_medusa if name == "medusa" else export_eagle3
     loads = LiveLoads(monkeypatch)

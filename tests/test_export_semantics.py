@@ -43,8 +43,8 @@ def _starts(n):
 def megatron_chains(model, prompt_ids):
     """Step-0 logits at every position, and greedy chains of STEPS draft tokens from each start
     (step k at position t0+k reads the embedding of the token drafted at step k-1)."""
-    from megatron_specdec.layers.eagle3_module import shift_right
-    from megatron_specdec.layers.ttt_attention import TTTMask
+    from megatron_specdec.methods.eagle3.layers import shift_right
+    from megatron_specdec.methods.eagle3.ttt_attention import TTTMask
 
     draft, cfg = model.draft, model.spec_config
     ids = torch.tensor([prompt_ids])
@@ -79,10 +79,11 @@ def _pipeline(root, calibration, prompt_ids, out_file):
     in), so drafted tokens depend on every input) with a calibrated draft vocabulary; then
     export_full and the Megatron draft's chains."""
     from megatron_specdec.export.full_export import export_full
-    from megatron_specdec.hf_conversion import hf_to_megatron
-    from megatron_specdec.loading import load_model
-    from megatron_specdec.spec_conversion import calibrate_draft_vocab
-    from megatron_specdec.speculative import convert, load_speculative, save_speculative
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.source import load_model
+    from megatron_specdec.loading.conversion import calibrate_draft_vocab
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.loading.speculative import load_speculative, save_speculative
 
     hf_to_megatron("default", f"{root}/base")
     distributed.initialize(1, 1)

@@ -9,8 +9,9 @@ import torch
 from checkpoint_reads import LiveLoads
 from safetensors.torch import load_file
 
-from megatron_specdec import distributed, hf_conversion
-from megatron_specdec.weights import files
+from megatron_specdec import distributed
+from megatron_specdec.loading import hf_conversion
+from megatron_specdec.checkpointing import hf_files as files
 
 HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=500, max_position_embeddings=64,

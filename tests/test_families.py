@@ -49,7 +49,7 @@ def test_random_family_model_matches_hf(family, tp, tmp_path):
     if family == "qwen2":
         assert any(n.endswith("q_proj.bias") for n, _ in model.named_parameters())
     if family == "llama31":
-        from megatron_specdec.families import rope_settings
+        from megatron_specdec.models.families import rope_settings
 
         assert rope_settings(model.config)["rope_scaling"] is True
     if family == "qwen3":

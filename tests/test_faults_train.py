@@ -121,7 +121,7 @@ def _digest(path, conn):
     """sha256 of every draft tensor of checkpoint `path` (read in its own process group)."""
     import torch
 
-    from megatron_specdec import checkpoint
+    from megatron_specdec.checkpointing import checkpoint
 
     tensors = checkpoint.load_plain_tensors(path, prefix="eagle3.")
     conn.send({k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()

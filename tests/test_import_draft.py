@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_specdec import checkpoint, distributed
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec import distributed
 from test_export_eagle3 import make_checkpoints, tiny_hf_config
 
 
@@ -23,7 +24,7 @@ def ckpts(module_tmp):
 
 @pytest.fixture(scope="module")
 def draft_dir(ckpts, module_tmp):
-    from megatron_specdec.export.eagle3_hf import export_eagle3
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
 
     return export_eagle3(ckpts / "eagle3_tp1", module_tmp("hf") / "eagle3")
 
@@ -41,8 +42,8 @@ def _same_checkpoint(a, b):
 @pytest.mark.parametrize("name,tp,pp", [("eagle3", 1, 1), ("eagle3_2layers", 2, 1),
                                          ("eagle3", 1, 2)])
 def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp, pp):
-    from megatron_specdec.export.draft_import import import_eagle3
-    from megatron_specdec.export.eagle3_hf import export_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
 
     src = ckpts / f"{name}_tp{tp}"
     hf = export_eagle3(src, tmp_path / "hf")
@@ -82,7 +83,7 @@ def _copy_draft(draft_dir, dst, config_edit=None, drop=()):
 def test_bad_drafts_are_refused_and_nothing_is_written(ckpts, draft_dir, tmp_path, capsys,
                                                        edit, drop, message):
     from checkpoint_tools import import_draft
-    from megatron_specdec.cli import run_cli
+    from megatron_specdec.cli.common import run_cli
 
     bad = _copy_draft(draft_dir, tmp_path / "bad", edit, drop)
     out = tmp_path / "out"
@@ -97,7 +98,7 @@ def test_modelopt_layout_imports_as_the_same_checkpoint(ckpts, draft_dir, tmp_pa
     """ModelOpt 0.47 exports a one-layer draft as layers.0.* with d2t alone (t2d is derived);
     it imports to the same checkpoint as the midlayer.* layout, and a d2t pointing outside
     the vocabulary is refused."""
-    from megatron_specdec.export.draft_import import DraftMismatchError, import_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import DraftMismatchError, import_eagle3
 
     modelopt = tmp_path / "modelopt"
     modelopt.mkdir()
@@ -121,7 +122,7 @@ def test_modelopt_layout_imports_as_the_same_checkpoint(ckpts, draft_dir, tmp_pa
 def test_vllm_only_aux_ids_are_converted(draft_dir, ckpts, tmp_path):
     """A draft that names its aux layers only in vLLM's convention imports with the same
     output-of-layer ids."""
-    from megatron_specdec.export import draft_import
+    from megatron_specdec.methods.eagle3 import hf_import as draft_import
 
     config = json.loads((draft_dir / "config.json").read_text())
     del config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -129,7 +130,7 @@ def test_vllm_only_aux_ids_are_converted(draft_dir, ckpts, tmp_path):
 
 
 def test_d2t_t2d_disagreement_is_refused(draft_dir, ckpts, tmp_path):
-    from megatron_specdec.export.draft_import import DraftMismatchError, import_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import DraftMismatchError, import_eagle3
 
     bad = _copy_draft(draft_dir, tmp_path / "bad")
     tensors = load_file(str(bad / "model.safetensors"))
@@ -144,7 +145,7 @@ def test_published_style_draft(draft_dir):
     """EAGLE/SpecForge-style drafts: a shipped embed_tokens.weight is ignored (the draft shares
     the base's), no aux ids in the config means the default for the base, and without d2t/t2d
     a full-vocabulary draft gets the identity mapping."""
-    from megatron_specdec.export import draft_import
+    from megatron_specdec.methods.eagle3 import hf_import as draft_import
 
     config, tensors = draft_import.read_hf_draft(draft_dir)
     del config["eagle_config"], config["eagle_aux_hidden_state_layer_ids"]

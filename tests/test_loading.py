@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
-from megatron_specdec import checkpoint, distributed, loading
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec import distributed
+from megatron_specdec.loading import source as loading
 
 HF = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=300, max_position_embeddings=64,
@@ -21,8 +23,8 @@ def sources(module_tmp):
     """{form: path}: a random HF Llama, its base checkpoint and a speculative one (Medusa)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.hf_conversion import hf_to_megatron
-    from megatron_specdec.spec_conversion import convert_checkpoint
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.conversion import convert_checkpoint
 
     torch.manual_seed(0)
     root = module_tmp("forms")
@@ -41,7 +43,7 @@ def _logits(gpt):
 
 
 def test_every_form_loads_to_the_same_logits(sources):
-    from megatron_specdec.spec_model import SpeculativeGPTModel
+    from megatron_specdec.models.speculative_gpt import SpeculativeGPTModel
 
     hf = loading.load_model(sources["hf"])
     assert hf.draft is None and hf.tokenizer_dir == sources["hf"]
@@ -60,7 +62,7 @@ def test_every_form_loads_to_the_same_logits(sources):
 
 
 def test_identify_tells_the_forms_apart(sources):
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     forms = {name: loading.identify(path).form for name, path in sources.items()}
     assert forms == {"hf": loading.HF, "base": loading.BASE, "spec": loading.SPECULATIVE}

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 def _tiny(config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.speculative import convert
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
 
     hf = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=128, vocab_size=500,
@@ -62,7 +62,8 @@ def test_head_i_scores_token_t_plus_2_plus_i(one_process):
 
 
 def test_hf_table_uses_the_fastdecoding_layout(one_process):
-    from megatron_specdec.weights import mapping, medusa
+    from megatron_specdec.checkpointing import hf_mapping as mapping
+    from megatron_specdec.methods.medusa import hf_weights as medusa
 
     model, hf = _tiny({"medusa_num_heads": 2, "medusa_num_layers": 2})
     cfg = model.spec_config
@@ -82,7 +83,7 @@ def test_hf_table_uses_the_fastdecoding_layout(one_process):
     ("eagle3", {"draft_vocab_size": 500, "ttt_steps": 2}),
 ])
 def test_training_moves_only_the_draft(one_process, algo, config):
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.models.speculative import convert
     from megatron_specdec.training.schedule import forward_backward
 
     model, hf = _tiny({"medusa_num_heads": 1})

@@ -38,10 +38,10 @@ def draft_worker(ep, hf_dir, out_file):
     and greedy / EAGLE3 / n-gram generations of the trained model."""
     from megatron.core import parallel_state as ps
 
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import model_from_hf
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.loading.hf_conversion import model_from_hf
+    from megatron_specdec.models.speculative import convert
     from megatron_specdec.training.optimizer import DraftOptimizer
     from megatron_specdec.training.schedule import forward_backward, reduce_reports
 

@@ -10,8 +10,9 @@ import torch
 
 import moe_models
 import workers
-from megatron_specdec import distributed, families
-from megatron_specdec.hf_conversion import hf_to_megatron, megatron_to_hf, read_hf_state
+from megatron_specdec import distributed
+from megatron_specdec.models import families
+from megatron_specdec.loading.hf_conversion import hf_to_megatron, megatron_to_hf, read_hf_state
 
 PROMPT = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(2)).tolist()
 
@@ -52,7 +53,7 @@ def test_hf_to_megatron_cli_takes_ep_and_names_a_bad_one(tmp_path, capsys):
     """The command-line converter passes --ep through: an EP that does not divide the experts
     is one error line naming both numbers, and nothing is written."""
     from checkpoint_tools import hf_to_megatron as tool
-    from megatron_specdec.cli import run_cli
+    from megatron_specdec.cli.common import run_cli
 
     moe_models.save_random("mixtral", tmp_path / "hf")
     capsys.readouterr()  # transformers' save progress bar

@@ -23,9 +23,10 @@ PROMPTS = [torch.randint(0, 49152, (10,), generator=torch.Generator().manual_see
 def _project_greedy(hf_dir, out_file, spec_dir):
     """The project's greedy continuations; with `spec_dir`, also a speculative checkpoint of
     a fresh EAGLE3 draft converted on this base."""
-    from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import base_meta, model_from_hf
-    from megatron_specdec.speculative import convert, save_speculative
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.loading.hf_conversion import base_meta, model_from_hf
+    from megatron_specdec.models.speculative import convert
+    from megatron_specdec.loading.speculative import save_speculative
 
     distributed.initialize(1, 1)
     model, config = model_from_hf(hf_dir)

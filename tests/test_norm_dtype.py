@@ -25,7 +25,7 @@ def warn_always():
 def _model(dtype):
     from transformers import LlamaConfig
 
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.models.provider import build_model
 
     torch.manual_seed(0)
     return build_model(LlamaConfig(**HF), dtype=dtype, transformer_impl="local").eval()

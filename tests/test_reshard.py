@@ -4,7 +4,7 @@ batch (loss through megatron's pipeline schedules)."""
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.hf_conversion import hf_to_megatron
+from megatron_specdec.loading.hf_conversion import hf_to_megatron
 import workers
 
 

@@ -6,7 +6,7 @@ import json
 import torch
 
 from checkpoint_tools import hf_to_megatron, megatron_to_hf
-from megatron_specdec.hf_conversion import read_hf_state
+from megatron_specdec.loading.hf_conversion import read_hf_state
 
 IGNORED_CONFIG_KEYS = {"transformers_version", "architectures", "_name_or_path", "dtype",
                        "torch_dtype"}

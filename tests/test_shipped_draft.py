@@ -27,9 +27,9 @@ def test_shipped_files_are_committable_and_described():
 
 
 def _worker(ckpt, prompt, out_file):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
-    from megatron_specdec.speculative import load_speculative
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.loading.speculative import load_speculative
 
     distributed.initialize(2, 1)
     model, _, _ = load_speculative(ckpt)
@@ -44,8 +44,8 @@ def _worker(ckpt, prompt, out_file):
 @pytest.mark.slow
 def test_shipped_draft_imports_at_tp2_and_equals_greedy(default_hf_dir, chat_prompt_ids,
                                                          tmp_path):
-    from megatron_specdec.export.draft_import import import_eagle3
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     base, spec = tmp_path / "base", tmp_path / "spec"
     hf_to_megatron(default_hf_dir, base, tp=2)  # 3 query groups: TP=2 pads them to 4 at import

@@ -13,7 +13,7 @@ import torch
 
 from megatron_specdec import distributed
 from test_draft_model_generation import KEEP, save_draft
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from test_speculative_generation import HF, build, expected_accepts
 from workers import is_writer
 
@@ -27,7 +27,7 @@ TREE = (3, 8)  # TreeSpec(top_k, max_nodes) of the random-draft trees; oracle tr
 
 
 def policies(kind):
-    from megatron_specdec.decoding.draft_policy import DraftPolicy
+    from megatron_specdec.inference.draft_policy import DraftPolicy
 
     # n-gram confidence is its running acceptance rate: the default threshold fits it.
     return {"fixed": DraftPolicy(K, None),
@@ -36,9 +36,9 @@ def policies(kind):
 
 def batch_worker(tp, pp, draft_dir, out_file):
     """Batch-1 plain greedy per prompt, and the batch through every drafter and policy."""
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.tree import TreeSpec
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.tree import TreeSpec
+    from megatron_specdec.inference.generation import plain_generate
 
     distributed.initialize(tp, pp)
     save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
@@ -101,9 +101,9 @@ def eagle3():
 @pytest.mark.parametrize("kind,tree", [("eagle3", False), ("ngram", False), ("eagle3", True)])
 def test_a_finished_row_leaves_the_batch(eagle3, kind, tree):
     """Outputs unchanged, and each round computes exactly the rows still unfinished."""
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.tree import TreeSpec
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.tree import TreeSpec
+    from megatron_specdec.inference.generation import plain_generate
 
     greedy = [plain_generate(eagle3.base, [p], NEW, HF["vocab_size"])[0] for p in PROMPTS]
     eos = greedy[1][4]  # row 1 ends after 4 tokens (others may meet it too)
@@ -123,9 +123,9 @@ def test_a_finished_row_leaves_the_batch(eagle3, kind, tree):
 @pytest.mark.parametrize("one_hot,tree", [(False, False), (True, False), (False, True),
                                           (True, True)])
 def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot, tree):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.decoding.tree import TreeSpec
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+    from megatron_specdec.inference.tree import TreeSpec
 
     generator = SpeculativeGenerator(eagle3, K, policy="fixed",
                                      tree=TreeSpec(*TREE) if tree else None)
@@ -137,7 +137,7 @@ def test_same_seed_reproduces_a_sampled_batch(eagle3, one_hot, tree):
 
 
 def test_bad_batches_are_named(eagle3):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     generator = SpeculativeGenerator(eagle3, K)
     with pytest.raises(ValueError, match="prompt 2 of the batch is empty"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from workers import is_writer
 
 HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -28,8 +28,8 @@ def build(algo):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_specdec import convert
-    from megatron_specdec.hf_conversion import load_hf_into_model
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
 
     hf = LlamaConfig(**HF)
     torch.manual_seed(0)
@@ -53,9 +53,9 @@ def expected_accepts(k, new_tokens, wrong_at):
 def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
     """Plain greedy, speculative with random drafts, and speculative with an oracle drafter;
     `tree`/`oracle_tree` are the TreeSpecs of the last two (None: chain)."""
-    from megatron_specdec.decoding.draft_policy import DraftPolicy
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     distributed.initialize(tp, pp)
     results = {}
@@ -97,7 +97,7 @@ def test_speculative_equals_greedy(tp, pp, tmp_path):
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():
-    from megatron_specdec.decoding.ngram_drafter import NgramDrafter
+    from megatron_specdec.methods.ngram.proposer import NgramDrafter
 
     drafter = NgramDrafter(max_ngram=2)
     one = torch.ones(1, dtype=torch.long)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from test_speculative_generation import HF, PROMPT, build
 
 NEW, RUNS, K = 3, 700, 2
@@ -23,7 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def greedy(model):
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generation import plain_generate
 
     return plain_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
 
@@ -31,7 +31,7 @@ def greedy(model):
 @pytest.fixture(scope="module")
 def reference(model):
     """Plain sampling's tokens over RUNS seeds."""
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generation import plain_generate
 
     def plain(seed):
         rng = torch.Generator().manual_seed(seed)
@@ -44,7 +44,7 @@ def reference(model):
 def _generator(model, greedy, cls=None, tree=None):
     """Fixed-length chains (or trees whose deepest path is it, every other node wrong) of
     the base's greedy continuation (often accepted, often not)."""
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     generator = (cls or SpeculativeGenerator)(model, K, policy="fixed", tree=tree)
     generator.drafter = OracleDrafter(generator.drafter, [greedy], vocab_size=HF["vocab_size"])
@@ -73,8 +73,8 @@ def _same_distribution(a, b) -> float:
 
 
 def test_speculative_sampling_matches_plain_sampling(model, greedy, reference):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
 
     speculative, accepted = _generator(model, greedy), []
 
@@ -115,9 +115,9 @@ def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, referen
     trees sampled from the random EAGLE3 draft with its probabilities (tree.sample_tree);
     a verifier that takes the greedy path instead is rejected."""
     from megatron_specdec.acceptance import tree_verify
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.decoding.tree import TreeSpec
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+    from megatron_specdec.inference.tree import TreeSpec
 
     spec = TreeSpec(top_k=3, max_nodes=8)
     oracle, accepted = _generator(model, greedy, tree=spec), []
@@ -153,7 +153,7 @@ def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, referen
 def test_sample_tree_draws_children_from_their_parent():
     """sample_tree: every node's distribution row is its parent's q, the node budget is
     filled in growth order, and the draws follow q (a token q gives no mass never appears)."""
-    from megatron_specdec.decoding.tree import TreeSpec, sample_tree
+    from megatron_specdec.inference.tree import TreeSpec, sample_tree
 
     g = torch.Generator().manual_seed(3)
     vocab, table = 40, torch.rand(64, 40, generator=torch.Generator().manual_seed(4))
@@ -182,9 +182,9 @@ def test_sample_tree_draws_children_from_their_parent():
 
 
 def test_same_seed_same_output(model):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling
-    from megatron_specdec.decoding.tree import TreeSpec
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+    from megatron_specdec.inference.tree import TreeSpec
 
     generator = SpeculativeGenerator(model, K, drafter_kind="ngram")
     run = [generator.generate(PROMPT, 30, sampling=Sampling(0.9, seed=s)).tokens
@@ -199,7 +199,7 @@ def test_same_seed_same_output(model):
     (dict(temperature=-0.5), "temperature"), (dict(temperature=1.0, top_p=0.0), "top_p"),
     (dict(temperature=1.0, top_p=1.5), "top_p"), (dict(temperature=1.0, top_k=-1), "top_k")])
 def test_bad_sampling_settings_are_refused_by_name(settings, name):
-    from megatron_specdec.decoding.sampling import Sampling
+    from megatron_specdec.inference.sampling import Sampling
 
     with pytest.raises(ValueError, match=name):
         Sampling(**settings)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from test_speculative_generation import expected_accepts
 from workers import is_writer
 
@@ -19,9 +19,9 @@ def worker(tp, pp, hf_dir, prompt, out_file, tree=None, oracle_tree=None):
     """Plain greedy, then per algorithm a random draft and an oracle drafter;
     `tree`/`oracle_tree` are the TreeSpecs of the two speculative runs (None: chain)."""
     from megatron_specdec import convert
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
-    from megatron_specdec.hf_conversion import model_from_hf
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.loading.hf_conversion import model_from_hf
 
     distributed.initialize(tp, pp)
     base, config = model_from_hf(hf_dir)

@@ -1,4 +1,4 @@
-"""Tree drafting (decoding/tree.py) on the small seeded random Llama of
+"""Tree drafting (inference/tree.py) on the small seeded random Llama of
 test_speculative_generation: tree growth and node cap on hand-made log-probs, the verify
 mask and positions, a tree verify forward equal to the chain forward along its path and a
 compacted cache equal to the chain's, a top-1 tree equal to the chain, and tree generation
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.tree import TreeSpec, ancestors, grow_tree, verify_layout
+from megatron_specdec.inference.tree import TreeSpec, ancestors, grow_tree, verify_layout
 import test_speculative_smollm2 as smollm2
 from test_speculative_generation import (K, NEW, PROMPT, WRONG_AT, build, expected_accepts,
                                          identity_worker)
@@ -128,7 +128,7 @@ def eagle3():
 def test_tree_forward_and_compaction_equal_chain(eagle3):
     """Logits of a path through a verified tree equal the chain forward over that path, and
     after compacting the path the next forward equals the chain's next forward."""
-    from megatron_specdec.decoding.base_runner import BaseRunner
+    from megatron_specdec.inference.base_runner import BaseRunner
 
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 3])
     tokens = torch.tensor([11, 12, 13, 14, 15, 16, 17])
@@ -155,7 +155,7 @@ def test_tree_forward_and_compaction_equal_chain(eagle3):
 
 
 def test_top1_tree_is_the_chain(eagle3):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     chain = SpeculativeGenerator(eagle3, K, policy="fixed").generate(PROMPT, 16)
     tree = SpeculativeGenerator(eagle3, K, tree=TreeSpec(1), policy="fixed").generate(PROMPT, 16)

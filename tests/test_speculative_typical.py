@@ -7,7 +7,7 @@ does not apply to are refused by name."""
 import pytest
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from test_speculative_generation import HF, K, NEW, PROMPT, WRONG_AT, build, expected_accepts
 
 
@@ -18,7 +18,7 @@ def medusa():
 
 
 def _oracle(medusa, greedy, typical):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generator import SpeculativeGenerator
 
     generator = SpeculativeGenerator(medusa, K, policy="fixed", typical=typical)
     generator.drafter = OracleDrafter(generator.drafter, [greedy], [WRONG_AT], HF["vocab_size"])
@@ -26,9 +26,9 @@ def _oracle(medusa, greedy, typical):
 
 
 def test_typical_acceptance_near_temperature_0_is_greedy(medusa):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling, TypicalAcceptance
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling, TypicalAcceptance
+    from megatron_specdec.inference.generation import plain_generate
 
     greedy = plain_generate(medusa.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
     cold = Sampling(1e-3, seed=0)
@@ -47,16 +47,16 @@ def test_typical_acceptance_near_temperature_0_is_greedy(medusa):
                                            (dict(alpha=float("nan")), "alpha"),
                                            (dict(alpha=-1.0), "alpha")])
 def test_bad_typical_settings_are_named(settings, name):
-    from megatron_specdec.decoding.sampling import TypicalAcceptance
+    from megatron_specdec.inference.sampling import TypicalAcceptance
 
     with pytest.raises(ValueError, match=f"typical acceptance {name} must"):
         TypicalAcceptance(**settings)
 
 
 def test_typical_is_refused_where_it_does_not_apply(medusa):
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.decoding.sampling import Sampling, TypicalAcceptance
-    from megatron_specdec.decoding.tree import TreeSpec
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling, TypicalAcceptance
+    from megatron_specdec.inference.tree import TreeSpec
 
     typical = TypicalAcceptance()
     with pytest.raises(ValueError, match="drafter 'ngram' verifies by rejection"):

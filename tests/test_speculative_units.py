@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from megatron_specdec.decoding.oracle import OracleDrafter
+from megatron_specdec.inference.oracle import OracleDrafter
 from test_speculative_generation import HF, K, NEW, PROMPT, WRONG_AT, build, expected_accepts
 
 
@@ -25,16 +25,16 @@ def eagle3():
 
 
 def _prefill(model, tokens, max_length):
-    from megatron_specdec.decoding.base_runner import BaseRunner
+    from megatron_specdec.inference.base_runner import BaseRunner
 
     return BaseRunner(model, 1, max_length).step(torch.tensor([tokens]))
 
 
 def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
-    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
-    from megatron_specdec.decoding.embedding import last_stage_embedding
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
+    from megatron_specdec.inference.embedding import last_stage_embedding
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     greedy = plain_generate(eagle3.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
     embedding = last_stage_embedding(eagle3)
@@ -62,8 +62,8 @@ def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
 def test_cached_chain_equals_training_time_test(eagle3):
     """Chain step j from the real prefix ending at t, fed the real tokens, gives the logits
     of training-time-test step j at position t + j."""
-    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
-    from megatron_specdec.decoding.embedding import last_stage_embedding
+    from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
+    from megatron_specdec.inference.embedding import last_stage_embedding
 
     steps = 4
     seq = PROMPT + list(range(7, 7 + 12))
@@ -90,7 +90,7 @@ def test_cached_chain_equals_training_time_test(eagle3):
 
 
 def test_backoff_doubles_to_its_cap_and_resets_on_a_draft():
-    from megatron_specdec.decoding.draft_policy import DraftPolicy
+    from megatron_specdec.inference.draft_policy import DraftPolicy
 
     policy, backoff, schedule = DraftPolicy(K), 0, []
     for _ in range(8):
@@ -125,11 +125,11 @@ def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
     """A random draft never reaches a 0.99 threshold: it is asked at rounds 0, 2, 5, 10, 19
     and 36 only (backoff 1, 2, 4, 8, 16), each time after reading the rounds it sat out in one
     forward, every other round is a plain step, and the output is plain greedy's."""
-    from megatron_specdec.decoding.draft_policy import DraftPolicy
-    from megatron_specdec.decoding.eagle3_drafter import Eagle3Drafter
-    from megatron_specdec.decoding.embedding import last_stage_embedding
-    from megatron_specdec.decoding.generator import SpeculativeGenerator
-    from megatron_specdec.generation import plain_generate
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
+    from megatron_specdec.inference.embedding import last_stage_embedding
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.generation import plain_generate
 
     drafter = _Recording(Eagle3Drafter(eagle3, last_stage_embedding(eagle3)))
     result = SpeculativeGenerator(eagle3, K, drafter=drafter,
@@ -145,7 +145,7 @@ def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
 
 
 def test_acceptance_metrics_hand_made():
-    from megatron_specdec.decoding.metrics import acceptance_summary, summarise_by_category
+    from megatron_specdec.inference.metrics import acceptance_summary, summarise_by_category
 
     s = acceptance_summary([0, 2, 4, 1], 4)
     assert s["verify_forwards"] == 4 and s["emitted_tokens"] == 11
@@ -175,9 +175,9 @@ from megatron_specdec import distributed
 distributed.initialize(1, 1)
 from transformers import LlamaConfig, LlamaForCausalLM
 from megatron_specdec import convert
-from megatron_specdec.hf_conversion import base_meta, load_hf_into_model
-from megatron_specdec.model_provider import build_model
-from megatron_specdec.speculative import save_speculative
+from megatron_specdec.loading.hf_conversion import base_meta, load_hf_into_model
+from megatron_specdec.models.provider import build_model
+from megatron_specdec.loading.speculative import save_speculative
 hf = LlamaConfig(**{dict(HF, vocab_size=49152)!r})
 torch.manual_seed(0)
 base = build_model(hf)
@@ -196,7 +196,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     ]))
     out = tmp_path / "report"
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out),
          "--max-new-tokens", "12", "--batch-size", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -216,7 +216,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
 
     tree_out = tmp_path / "tree"
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(tree_out),
          "--max-new-tokens", "12", "--tree-top-k", "2", "--tree-max-nodes", "5"],
         capture_output=True, text=True)
@@ -229,7 +229,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
 
     sampled_out = tmp_path / "sampled"
     run = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(sampled_out),
          "--max-new-tokens", "12", "--drafter", "ngram", "--temperature", "0.7", "--top-k",
          "20", "--seed", "3"], capture_output=True, text=True)
@@ -240,12 +240,12 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
                                    "one_hot_drafts": False}
 
     missing = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)],
         capture_output=True, text=True)
     assert missing.returncode == 2 and "none.jsonl" in missing.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out),
          "--temperature", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "temperature must be >= 0" in bad.stderr
@@ -253,7 +253,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
                            (["--acceptance", "typical", "--temperature", "0.7",
                              "--typical-eps", "1.5"], "typical acceptance eps must lie")):
         bad = subprocess.run(
-            [sys.executable, "-m", "megatron_specdec.decoding.validate", "--model",
+            [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
              str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out), *extra],
             capture_output=True, text=True)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]

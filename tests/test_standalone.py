@@ -36,17 +36,17 @@ def test_data_steps_run_in_a_bare_copy(tmp_path):
 
     where = _python(clone, "-c", "import megatron_specdec; print(megatron_specdec.__file__)")
     assert Path(where.strip()).is_relative_to(clone)  # the copy's code, not the checkout's
-    demo_help = " ".join(_python(clone, "-m", "megatron_specdec.demo", "--help").split())
+    demo_help = " ".join(_python(clone, "-m", "megatron_specdec.cli.demo", "--help").split())
     assert "(default: data/sources)" in demo_help, demo_help
 
-    listing = _python(clone, "-m", "megatron_specdec.data", "sources", "--data-dir", "data/sources")
+    listing = _python(clone, "-m", "megatron_specdec.cli.data", "sources", "--data-dir", "data/sources")
     for line in ("gsm8k\ttrain\t7473 rows", "self_instruct_seed\ttrain\t175 rows",
                  "self_instruct_user\ttrain\t252 rows", "mt_bench\teval\t80 rows"):
         assert line in listing, listing
 
     # the demo's step 2, on the embedded model, with a tiny budget
     out = clone / "runs" / "regen.jsonl"
-    _python(clone, "-m", "megatron_specdec.data", "regenerate", "--data-dir", "data/sources",
+    _python(clone, "-m", "megatron_specdec.cli.data", "regenerate", "--data-dir", "data/sources",
             "--backend", "megatron", "--checkpoint", "default", "--limit", "2", "--batch-size", "2",
             "--max-new-tokens", "4", "--no-progress", "--out", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from megatron_specdec import checkpoint, hf_conversion
-from megatron_specdec.weights import files, mapping
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec.loading import hf_conversion
+from megatron_specdec.checkpointing import hf_files as files, hf_mapping as mapping
 
 HF = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=500, max_position_embeddings=64,
@@ -65,7 +66,7 @@ class LiveTensors(Mapping):
 
 
 def test_import_holds_one_merge_of_source_tensors_at_a_time(one_process, hf_dir):
-    from megatron_specdec.model_provider import build_model
+    from megatron_specdec.models.provider import build_model
 
     config = hf_conversion.read_hf_config(hf_dir)
     source = LiveTensors(files.HFTensors(hf_dir, torch.float32))

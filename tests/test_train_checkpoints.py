@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import train_support as ts
-from megatron_specdec.checkpoint import CheckpointError
+from megatron_specdec.checkpointing.checkpoint import CheckpointError
 from megatron_specdec.training import checkpoints
 from megatron_specdec.training.metrics import read_log
 
@@ -109,8 +109,8 @@ def test_no_resume_refuses_existing_checkpoints(trained):
 def test_checkpoint_of_another_draft_refused_by_key(trained):
     from types import SimpleNamespace
 
-    from megatron_specdec import spec_config
-    from megatron_specdec.checkpoint import read_meta
+    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec.checkpointing.checkpoint import read_meta
 
     path = checkpoints.step_dir(trained[3] / "checkpoints", 2)
     meta = read_meta(path)
@@ -194,7 +194,7 @@ def test_resume_over_another_base_refused_naming_it(trained, tmp_path):
 def test_base_fingerprint_names_config_and_dtype(trained):
     import copy
 
-    from megatron_specdec.checkpoint import read_meta
+    from megatron_specdec.checkpointing.checkpoint import read_meta
     from megatron_specdec.training.base_fingerprint import differences
 
     saved = read_meta(checkpoints.step_dir(trained[3] / "checkpoints", 4))

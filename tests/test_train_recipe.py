@@ -90,7 +90,7 @@ def test_draft_config_keys_checked_by_name():
 
 def test_cli_reports_key_and_exits_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_specdec.train", *REQUIRED, "training.stepz=1"],
+        [sys.executable, "-m", "megatron_specdec.cli.train", *REQUIRED, "training.stepz=1"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "error: command-line override: key 'training.stepz'" in proc.stderr

@@ -14,10 +14,10 @@ HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_va
 def test_fp32_parameters_saved_without_masters_resume_exactly(one_process, tmp_path):
     from transformers import LlamaConfig
 
-    from megatron_specdec import spec_config
-    from megatron_specdec.hf_conversion import base_meta
-    from megatron_specdec.model_provider import build_model
-    from megatron_specdec.speculative import convert
+    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec.loading.hf_conversion import base_meta
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
     from megatron_specdec.training import base_fingerprint, checkpoints
     from megatron_specdec.training.optimizer import DraftOptimizer
     from megatron_specdec.training.recipe import OptimizerConfig

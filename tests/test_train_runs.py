@@ -96,7 +96,7 @@ def test_sigkill_mid_run_and_resume(setup, reference):
     step-4 checkpoint), then rerun the same command."""
     root, model, data = setup
     out = root / "sigkill"
-    cmd = [sys.executable, "-m", "megatron_specdec.train",
+    cmd = [sys.executable, "-m", "megatron_specdec.cli.train",
            *ts.overrides(model, data, out)]
     proc = subprocess.Popen(cmd, cwd=root, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -133,7 +133,7 @@ def test_train_from_speculative_checkpoint(setup, reference):
 def test_train_from_base_checkpoint(setup, reference):
     """model.path may be a base megatron checkpoint: its weights are the base (the losses are
     the reference run's, which read the same model from the HF directory)."""
-    from megatron_specdec.hf_conversion import hf_to_megatron
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     root, model, data = setup
     ckpt = root / "base_ckpt"

@@ -21,7 +21,7 @@ def make_tiny_model(out: Path, seed: int = 0) -> Path:
     """A 4-layer h=64 Llama (random from `seed`) in an HF directory with SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_specdec.default_model import default_model_dir
+    from megatron_specdec.models.default_model import default_model_dir
 
     config = LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, vocab_size=49152,

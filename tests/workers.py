@@ -2,10 +2,11 @@
 
 import torch
 
-from megatron_specdec import checkpoint, distributed
-from megatron_specdec.generation import StageRunner, plain_generate
-from megatron_specdec.hf_conversion import model_from_hf
-from megatron_specdec.loading import load_model
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec import distributed
+from megatron_specdec.inference.generation import StageRunner, plain_generate
+from megatron_specdec.loading.hf_conversion import model_from_hf
+from megatron_specdec.loading.source import load_model
 
 
 def is_writer():

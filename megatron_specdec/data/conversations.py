@@ -66,7 +66,7 @@ def load_tokenizer(name_or_path="default"):
     """A Hugging Face tokenizer with a chat template; 'default' is the embedded SmolLM2."""
     from transformers import AutoTokenizer
 
-    from megatron_specdec.default_model import resolve_model_path
+    from megatron_specdec.models.default_model import resolve_model_path
 
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))

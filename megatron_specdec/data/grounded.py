@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from megatron_specdec.checkpoint import write_text_atomic
+from megatron_specdec.checkpointing.checkpoint import write_text_atomic
 from megatron_specdec.data.jsonl import BadRows, DataError, iter_jsonl, read_list_file
 
 log = logging.getLogger(__name__)

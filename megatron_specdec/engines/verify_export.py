@@ -46,8 +46,8 @@ def check_files(draft_dir, base_dir):
     Eagle3Config, or raises naming the file, tensor or key at fault."""
     from transformers import AutoConfig
 
-    from megatron_specdec.export import draft_import
-    from megatron_specdec.weights.mapping import WeightMappingError
+    from megatron_specdec.methods.eagle3 import hf_import as draft_import
+    from megatron_specdec.checkpointing.hf_mapping import WeightMappingError
 
     base = AutoConfig.from_pretrained(base_dir)
     config, tensors = draft_import.read_hf_draft(draft_dir)

@@ -8,8 +8,9 @@ HF pieces at a time.
 
 from dataclasses import dataclass
 
-from megatron_specdec import checkpoint, spec_config
-from megatron_specdec.weights import files, mapping
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec.methods import config as spec_config
+from megatron_specdec.checkpointing import hf_files as files, hf_mapping as mapping
 
 
 @dataclass

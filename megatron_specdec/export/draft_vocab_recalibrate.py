@@ -3,7 +3,7 @@ scratch: the N most frequent target tokens of new calibration data (data/draft_v
 
 Tokens in both vocabularies keep their trained lm_head row; a token the draft could not
 propose before starts from the base model's output row of that token (as a new draft's rows
-do, layers/eagle3_module.init_output_from_base) mapped into the trained draft's row space by
+do, methods/eagle3/layers.init_output_from_base) mapped into the trained draft's row space by
 a least-squares fit over the tokens the old vocabulary holds. Everything else is copied. The draft then
 needs training for its new rows; the point is that data unlike the first calibration (code,
 other languages) or a larger vocabulary leaves fewer target tokens the draft can never draft.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_specdec import checkpoint
+from megatron_specdec.checkpointing import checkpoint
 from megatron_specdec.data.draft_vocab import DraftVocab, calibrate
-from megatron_specdec.export import eagle3_hf
-from megatron_specdec.export.draft_import import DraftMismatchError, read_hf_draft
+from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
+from megatron_specdec.methods.eagle3.hf_import import DraftMismatchError, read_hf_draft
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Recalibration:
 def base_output_rows(hf_dir) -> torch.Tensor:
     """The base's output layer [vocab, hidden] (the tied embedding when lm_head is absent),
     read alone from its file."""
-    from megatron_specdec.weights.files import HFTensors
+    from megatron_specdec.checkpointing.hf_files import HFTensors
 
     tensors = HFTensors(hf_dir)
     for name in ("lm_head.weight", "model.embed_tokens.weight"):

@@ -11,8 +11,10 @@ because the EAGLE reference runtime finds the base embedding through it.
 import shutil
 from pathlib import Path
 
-from megatron_specdec import checkpoint, hf_conversion
-from megatron_specdec.export import eagle3_hf, medusa_hf
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec.loading import hf_conversion
+from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
+from megatron_specdec.methods.medusa import hf_export as medusa_hf
 
 BASE_DIR = "base"
 _EXPORTERS = {"eagle3": eagle3_hf.export_eagle3, "medusa": medusa_hf.export_medusa}

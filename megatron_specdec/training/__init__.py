@@ -1,5 +1,5 @@
 """Freeze-and-train runs of EAGLE3/Medusa drafts from omegaconf recipes:
-`python -m megatron_specdec.train --config recipes/<recipe>.yaml key=value ...` (or torchrun).
+`python -m megatron_specdec.cli.train --config recipes/<recipe>.yaml key=value ...` (or torchrun).
 
 recipe: schema, overrides, validation; build: the speculative model a recipe names;
 batches: data batches in the model's terms; optimizer: AdamW on fp32 master weights, lr

@@ -13,9 +13,11 @@ import logging
 
 import torch.distributed as dist
 
-from megatron_specdec import checkpoint, loading, spec_config
-from megatron_specdec.default_model import resolve_model_path
-from megatron_specdec.speculative import attach, set_draft_vocab
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec.loading import source as loading
+from megatron_specdec.methods import config as spec_config
+from megatron_specdec.models.default_model import resolve_model_path
+from megatron_specdec.models.speculative import attach, set_draft_vocab
 from megatron_specdec.training.recipe import RecipeError
 
 log = logging.getLogger(__name__)

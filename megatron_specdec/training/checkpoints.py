@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_specdec import checkpoint, pickle_guard
+from megatron_specdec.checkpointing import checkpoint, pickle_guard
 from megatron_specdec.distributed import device
 from megatron_specdec.training import base_fingerprint, data_fingerprint
-from megatron_specdec.weights.files import FileFormatError
+from megatron_specdec.checkpointing.hf_files import FileFormatError
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ _RESUMABLE_CHANGES = ("ttt_steps", "ttt_decay", "medusa_head_weights")
 def check_compatible(path, meta: dict, model):
     """Refuse a checkpoint of another format or whose draft differs from the model's, naming
     the keys, before dist_checkpointing fails on a shape."""
-    from megatron_specdec import spec_config
+    from megatron_specdec.methods import config as spec_config
 
     record = meta["training_checkpoint"]
     if record.get("format") != FORMAT:

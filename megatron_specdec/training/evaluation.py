@@ -13,7 +13,7 @@ def due(recipe, step: int) -> bool:
 
 def run(recipe, model, tokenizer, step: int, reporter) -> dict:
     """Collective over the model-parallel group; every rank gets the overall summary."""
-    from megatron_specdec.decoding.validate import evaluate_acceptance
+    from megatron_specdec.evaluation.acceptance import evaluate_acceptance
 
     e = recipe.evaluation
     report = evaluate_acceptance(

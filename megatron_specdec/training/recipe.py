@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_specdec.spec_config import TRAINABLE
+from megatron_specdec.methods.config import TRAINABLE
 
 
 class RecipeError(ValueError):

@@ -5,7 +5,7 @@ reports the last stage returns. The model only computes; what runs when lives he
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_specdec.layers import aux_capture, losses
+from megatron_specdec.models.layers import aux_capture, losses
 
 
 def forward_step(data_iterator, model):

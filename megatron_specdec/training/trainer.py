@@ -18,8 +18,9 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_specdec import checkpoint, distributed
-from megatron_specdec.speculative import save_trained, speculative_meta
+from megatron_specdec.checkpointing import checkpoint
+from megatron_specdec import distributed
+from megatron_specdec.loading.speculative import save_trained, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, data_fingerprint,
                                        evaluation, metrics, offline, optimizer, profiling,
                                        schedule)

@@ -1,0 +1,1 @@
+"""Acceptance-length measurement over prompt sets (acceptance) and its plots (plots)."""

@@ -1,0 +1,36 @@
+"""Plots of an acceptance report."""
+
+
+def plot_acceptance(report, path):
+    """Acceptance rate per draft position: overall (bold) and one line per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = report["num_draft_tokens"]
+    positions = list(range(1, k + 1))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, summary in report["categories"].items():
+        ax.plot(positions, _nan(summary["position_acceptance"]), marker=".", alpha=0.6,
+                label=f"{name} ({summary['acceptance_length']:.2f})")
+    overall = report["overall"]
+    ax.plot(positions, _nan(overall["position_acceptance"]), color="black", linewidth=2.5,
+            marker="o", label=f"overall ({overall['acceptance_length']:.2f})")
+    ax.set_xlabel("draft position j" if report.get("tree") is None else "tree depth j")
+    ax.set_ylabel("P(j accepted | j-1 accepted)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(positions)
+    tree = report.get("tree")
+    shape = (f"k={k}" if tree is None
+             else f"tree depth {k}, top-{tree['top_k']}, {tree['nodes']} nodes")
+    ax.set_title(f"{report['algo']}: acceptance length {overall['acceptance_length']:.2f} "
+                 f"({shape}, {report['num_prompts']} prompts)")
+    ax.legend(fontsize=8, title="category (acceptance length)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _nan(values):
+    return [float("nan") if v is None else v for v in values]

@@ -1,0 +1,202 @@
+"""Batched greedy (or sampled) generation from a Megatron GPTModel with a static KV cache, at any TP/PP.
+
+Every rank of the model-parallel group runs the same loop. Pipeline stages hand hidden states
+to the next stage with point-to-point sends; the last stage gathers the vocab-parallel logits
+and broadcasts the chosen tokens back to all stages. Prompts are left-padded, and each row of
+the cache has its own length (layers.decode_attention.DecodeCache): a row's tokens sit at the
+slots and RoPE positions they would have alone, whatever the batch.
+"""
+
+import torch
+import torch.distributed as dist
+
+# Greedy plain_generate drops finished rows once they are 1/_DROP_SHARE of the batch.
+_DROP_SHARE = 4
+
+
+class StageRunner:
+    """One forward of this pipeline stage over a preallocated KV cache: `step(tokens)` appends
+    `tokens` [b, s] to the cache and returns full-vocabulary logits [b, s, V] on the last
+    stage (None elsewhere). `rewind(n)` drops the last n cached positions (per row); `compact`
+    keeps chosen ones (a verified draft tree's accepted path).
+
+    The stage runs as explicit code (embedding, each decoder layer, final norm, output
+    layer) rather than through GPTModel.forward, so that a speculative decoder can read the
+    residual stream after chosen layers (`capture_ids`, 0-based output-of-layer) and the
+    final normed hidden state (`capture_final`) from `captured` after each step. The cache
+    is a layers.decode_attention.DecodeCache: keys are stored rotated at the RoPE position
+    each token was given, and only the new tokens are rotated per step."""
+
+    def __init__(self, model, batch_size: int, max_length: int, vocab_size: int,
+                 capture_ids=(), capture_final: bool = False):
+        from megatron_specdec.models.layers.decode_attention import DecodeCache
+
+        self.model = model
+        self.vocab_size = vocab_size
+        self.context = DecodeCache(batch_size, max_length)
+        self.rotary = model.rotary_pos_emb(max_length)  # [max_length, 1, 1, rotary dim]
+        # The model's own groups, not the global ones: a draft model runs in its own layout
+        # (methods/draft_model/proposer.py) beside the target's.
+        self.first, self.last = model.pre_process, model.post_process
+        self.pp_group = model.pg_collection.pp
+        stages = dist.get_process_group_ranks(self.pp_group)
+        here = stages.index(dist.get_rank())
+        self.prev_rank = stages[here - 1]
+        self.next_rank = stages[(here + 1) % len(stages)]
+        self.last_rank = stages[-1]
+        self.hidden_size = model.config.hidden_size
+        self.dtype = model.config.params_dtype
+        self.capture_ids = set(capture_ids)
+        self.capture_final = capture_final
+        self.captured = {}
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[b] cached tokens per row (host)."""
+        return self.context.lengths
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, last_only: bool = False, positions=None,
+             attention_mask=None, counts=None):
+        """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
+        `last_only` just the final position's, so a long prefill never holds [b, s, vocab].
+
+        Row b's tokens go to its next slots and, by default, take RoPE position = slot and
+        attend causally. `counts` [b]: only the last counts[b] tokens of row b are real (a
+        left-padded chunk, layers.decode_attention.DecodeCache), so the final position holds
+        every row's newest real token. Draft trees pass their own `positions` [b, s] and
+        `attention_mask` [b, 1, s, max length + s] (True = may not attend; tree.verify_layout)."""
+        b, s = tokens.shape
+        device = tokens.device
+        slots = self.context.place(s, device, counts)
+        pos = slots if positions is None else positions.expand(b, s)
+        if self.first:
+            hidden = self.model.embedding(input_ids=tokens, position_ids=pos)
+        else:
+            hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
+            dist.recv(hidden, src=self.prev_rank)
+        mask = self.context.causal_mask(slots) if attention_mask is None else attention_mask
+        self.context.set_rotary(self.rotary[pos.T][:, :, 0])
+        hidden = self._layers(hidden, mask)
+        self.context.commit()
+        if not self.last:
+            dist.send(hidden.contiguous(), dst=self.next_rank)
+            return None
+        return self._logits(hidden[-1:] if last_only else hidden)
+
+    def _layers(self, hidden, mask):
+        """This stage's decoder layers over the cache, recording the outputs named in
+        `capture_ids`."""
+        self.captured = {}
+        for layer in self.model.decoder.layers:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=mask,
+                              inference_context=self.context)
+            if layer.layer_number - 1 in self.capture_ids:
+                self.captured[layer.layer_number - 1] = hidden
+        return hidden
+
+    def _logits(self, hidden):
+        """Final norm and output layer; the vocab-parallel logits are gathered over TP."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        from megatron_specdec.models.layers.small_rows_linear import rows_linear
+
+        model = self.model
+        hidden = model.decoder.final_layernorm(hidden)
+        if self.capture_final:
+            self.captured["final"] = hidden
+        weight = (model.shared_embedding_or_output_weight()
+                  if model.share_embeddings_and_output_weights else model.output_layer.weight)
+        logits = gather_from_tensor_model_parallel_region(rows_linear(hidden, weight),
+                                                          group=model.tp_group)
+        return logits.transpose(0, 1)[..., : self.vocab_size].float()
+
+    def rewind(self, n):
+        """Drop the last n (int, or per row [b]) cached tokens of each row."""
+        self.context.rewind(n)
+
+    def compact(self, start, slots: torch.Tensor, counts=None):
+        """Keep each row's cached entries at slots[b, :counts[b]] (ascending, >= start[b]) as
+        start[b], start[b] + 1, ... and drop every later one (DecodeCache.compact). Keys are
+        cached rotated at their RoPE position, so when each moved entry's position equals its
+        new slot (a tree's accepted path: prefix + depth) the result is the cache a chain
+        forward over the same tokens writes; nothing is recomputed."""
+        self.context.compact(start, slots, counts)
+
+    def keep_rows(self, rows: torch.Tensor):
+        """Drop every batch row not in `rows` (ascending) from the cache."""
+        self.context.keep_rows(rows)
+
+    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Give every stage the last stage's `tensor` (same shape and dtype on all ranks)."""
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
+        return tensor
+
+
+def left_pad(prompts, pad_id: int, device=None):
+    """[b, L] tokens and [b] lengths of a ragged batch of prompts (the chunk
+    StageRunner.step takes with `counts`)."""
+    if not prompts:
+        raise ValueError("prompts: need a batch of at least one prompt")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts: every prompt needs at least one token; prompt {empty[0]} "
+                         f"of the batch is empty")
+    length = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, length - len(p):] = torch.as_tensor(p, dtype=torch.long)
+    return tokens, torch.tensor([len(p) for p in prompts], device=device)
+
+
+@torch.no_grad()
+def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
+                   temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                   top_k: int = 0):
+    """Plain (non-speculative) generation, greedy or sampled: continuations of `prompts`
+    (lists of token ids), stopping a row at any id in `eos_ids` (not included in its
+    result) or after `max_new_tokens`. `vocab_size` is the unpadded
+    vocabulary. Greedy by default; `temperature` > 0 samples (after top-k, then top-p) from
+    the last stage's `generator`, as decoding.sampling.Sampling does for speculative
+    sampling; data synthesis uses it to draw diverse prompts. All model-parallel ranks call
+    this with the same prompts; every rank returns the result."""
+    from megatron_specdec.inference.sampling import Sampling
+    from megatron_specdec.distributed import device
+
+    sampler = Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
+    tokens, lengths = left_pad(prompts, 0, device())
+    batch = tokens.shape[0]
+    runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=tokens.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
+    results = [[] for _ in range(batch)]
+    rows = list(range(batch))  # the prompt each batch row answers
+    step_input, counts = tokens, lengths
+    for _ in range(max_new_tokens):
+        logits = runner.step(step_input, last_only=True, counts=counts)
+        next_tokens = torch.zeros(len(rows), dtype=torch.long, device=tokens.device)
+        if runner.last and temperature == 0:
+            next_tokens = logits[:, -1].argmax(-1)
+        elif runner.last:
+            next_tokens = sampler.sample(logits[:, -1], generator)
+        runner.broadcast_from_last(next_tokens)
+        finished = torch.isin(next_tokens, eos) | done
+        # One device->host copy per step, not one per row.
+        for row, token, stop in zip(rows, next_tokens.tolist(), finished.tolist()):
+            if not stop:
+                results[row].append(token)
+        done = finished
+        if bool(done.all()):
+            break
+        if temperature == 0 and int(done.sum()) * _DROP_SHARE >= len(rows):
+            # Finished rows leave the batch once they are a quarter of it: a long answer no
+            # longer carries the compute of the short ones (the cache copy is paid a few times
+            # a batch, not once a row). Sampling keeps every row, so that a seed draws what
+            # it always drew.
+            keep = (~done).nonzero().flatten()
+            runner.keep_rows(keep)
+            rows = [rows[i] for i in keep.tolist()]
+            next_tokens, done = next_tokens[keep], done[keep]
+        step_input, counts = next_tokens.unsqueeze(1), None
+    return results

@@ -1,0 +1,1 @@
+"""The draft_model draft method."""

@@ -1,0 +1,1 @@
+"""The eagle3 draft method."""

@@ -1,0 +1,109 @@
+"""The EAGLE3 draft decoder layer, built from megatron-core parallel layers.
+
+The first draft layer reads two streams: the embedding of the next token and the draft's
+hidden state. Its q/k/v projections take their normalised concatenation
+`cat([input_layernorm(embed), hidden_norm(hidden)])` (embedding first, 2h wide), while the
+residual is the un-normalised hidden state. Later layers are ordinary pre-norm layers over
+h. Attention runs over an explicit list of key/value blocks so the same code serves
+training-time test (one block per unrolled step) and step-by-step drafting at inference.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
+
+KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
+
+
+class Eagle3QKVLinear(SmallRowsColumnParallelLinear):
+    """q/k/v projection of the first draft layer: its input is the 2h concatenation of the
+    normalised embedding and normalised hidden state (SelfAttention asks for h)."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs):
+        super().__init__(2 * input_size, output_size, **kwargs)
+
+
+class Eagle3Attention(SelfAttention):
+    """Self-attention whose keys/values accumulate in a caller-owned block list.
+
+    Each call appends this call's (rotated) keys and values to `kv_blocks` and attends over
+    all blocks with an explicit boolean mask [b|1, 1, s_q, s_kv] (True = may not attend), or,
+    in training-time test, a `TTTMask` (the same attention in memory linear in s).
+    """
+
+    def forward(self, hidden_states: Tensor, rotary_pos_emb: Optional[Tensor],
+                attention_mask: Union[Tensor, TTTMask], kv_blocks: KVBlocks) -> Tensor:
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, config=self.config)
+        kv_blocks.append((key, value))
+        if isinstance(attention_mask, TTTMask):
+            dropout = self.config.attention_dropout if self.training else 0.0
+            context = ttt_attention(query, kv_blocks, attention_mask,
+                                    self.core_attention.softmax_scale, dropout)
+        else:
+            keys = torch.cat([k for k, _ in kv_blocks]).contiguous()
+            values = torch.cat([v for _, v in kv_blocks]).contiguous()
+            context = self.core_attention(
+                query, keys, values, attention_mask, attn_mask_type=AttnMaskType.arbitrary
+            )
+        output, bias = self.linear_proj(context)
+        return output if bias is None else output + bias
+
+
+@dataclass
+class Eagle3LayerSubmodules:
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp  # embedding norm (first layer) or input norm
+    hidden_norm: Union[ModuleSpec, type] = IdentityOp  # first layer only
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+
+
+class Eagle3Layer(MegatronModule):
+    """One draft decoder layer; `first` selects the two-stream (2h attention input) form."""
+
+    def __init__(self, config, submodules: Eagle3LayerSubmodules, layer_number: int = 1,
+                 first: bool = True):
+        super().__init__(config=config)
+        self.first = first
+        norm_args = dict(config=config, hidden_size=config.hidden_size,
+                         eps=config.layernorm_epsilon)
+        self.input_layernorm = build_module(submodules.input_layernorm, **norm_args)
+        if first:
+            self.hidden_norm = build_module(submodules.hidden_norm, **norm_args)
+        self.self_attention = build_module(
+            submodules.self_attention, config=config, layer_number=layer_number
+        )
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_args)
+        self.mlp = build_module(submodules.mlp, config=config)
+
+    def forward(self, hidden_states: Tensor, embeds: Optional[Tensor],
+                rotary_pos_emb: Optional[Tensor], attention_mask: Tensor,
+                kv_blocks: KVBlocks) -> Tensor:
+        if self.first:
+            attn_input = torch.cat(
+                [self.input_layernorm(embeds), self.hidden_norm(hidden_states)], dim=-1
+            )
+        else:
+            attn_input = self.input_layernorm(hidden_states)
+        hidden_states = hidden_states + self.self_attention(
+            attn_input, rotary_pos_emb, attention_mask, kv_blocks
+        )
+        mlp_out, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        if mlp_bias is not None:
+            mlp_out = mlp_out + mlp_bias
+        return hidden_states + mlp_out

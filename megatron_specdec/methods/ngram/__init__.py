@@ -1,0 +1,1 @@
+"""The ngram draft method."""

@@ -1,0 +1,257 @@
+"""The products that can compute a decoding linear (`x @ W.T` over a few rows), and the choice
+among them, measured on the machine at hand and cached per machine.
+
+Which product is fastest depends on the CPU and its BLAS: MKL's few-row SGEMM is slow on the
+AMD EPYC machines, where `W @ x.T` won 2-4x, and near bandwidth on an Intel Xeon, where the same
+`W @ x.T` lost 2.5-4x. So nothing is fitted: each weight shape's candidates are timed once,
+with enough distinct weight copies to overflow the L3 (as a decode step's weights stream from
+memory), and the choice is cached in `<cache dir>/linear_choice/<machine>.json` (cache dir:
+$SPECDEC_CACHE, default ~/.cache/megatron_specdec). The entry names the CPU model, its vector
+flags, core and thread counts, torch version and the built kernel; an entry whose machine
+differs from this one (a copied cache, a new torch or kernel) is refused and measured again.
+
+Rows 1..INVARIANT_ROWS (a decode step and a chain verify over k+1 <= 16 tokens) take ONE
+product per shape, whatever their number: a verify forward then computes each row as a plain
+step does. The skinny op (csrc/skinny_gemm.cpp) is row-invariant bitwise, so with it
+speculative output equals greedy by construction; it is kept unless another product is more
+than INVARIANCE_MARGIN faster over those rows. Wider calls (batches, trees) choose per bucket.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_specdec.acceptance.ops import op_available
+
+log = logging.getLogger(__name__)
+
+INVARIANT_ROWS = 16
+SMALL_BUCKETS = (1, 2, 4, 8, 16)
+WIDE_BUCKETS = (32, 64, 128)
+MAX_ROWS = WIDE_BUCKETS[-1]  # above: F.linear (a prefill), never measured
+INVARIANCE_MARGIN = 0.10
+FORMAT = 1
+# SPECDEC_LINEAR=<candidate> pins every shape to one product (benchmarks, comparisons).
+PIN_ENV = "SPECDEC_LINEAR"
+
+
+def skinny(x, weight):
+    return torch.ops.megatron_specdec.skinny_linear(x, weight)
+
+
+def f_linear(x, weight):
+    return F.linear(x, weight).contiguous()
+
+
+def weight_left(x, weight):
+    """`weight @ x.T`; one row is doubled, since BLAS runs the two-row product on its fast path
+    (an expanded, stride-0 operand would be copied anyway)."""
+    rows = x.reshape(-1, x.shape[-1])
+    single = rows.shape[0] == 1
+    if single:
+        rows = rows.expand(2, -1).contiguous()
+    out = torch.mm(weight, rows.t()).t()
+    # Contiguous: a tensor-parallel all-reduce works in place on the result.
+    return (out[:1] if single else out).contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+CANDIDATES = {"skinny": skinny, "f_linear": f_linear, "weight_left": weight_left}
+
+
+def candidates(dtype) -> tuple:
+    """The products that take `dtype` here (the skinny op: float32, extension built)."""
+    names = ("f_linear", "weight_left")
+    if dtype == torch.float32 and op_available("skinny_linear"):
+        names = ("skinny",) + names
+    return names
+
+
+def _cpu_info() -> dict:
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        import platform
+
+        model = platform.processor() or platform.machine()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+    return {"cpu": model, "flags": [f for f in wanted if f in flags]}
+
+
+@lru_cache(maxsize=None)
+def _kernel_build() -> str:
+    """A digest of the built extension: a rebuilt kernel is a new machine for the choice."""
+    if not op_available("skinny_linear"):
+        return "none"
+    import megatron_specdec._C as ext
+
+    digest = hashlib.sha256(Path(ext.__file__).read_bytes()).hexdigest()[:16]
+    return f"{digest}/{torch.ops.megatron_specdec.skinny_linear_isa()}"
+
+
+def machine() -> dict:
+    """What a measured choice holds for: CPU, threads, torch, kernel build."""
+    return {**_cpu_info(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "kernel": _kernel_build(), "format": FORMAT}
+
+
+def cache_path(key: dict) -> Path:
+    from megatron_specdec.models.default_model import cache_dir
+
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "linear_choice" / f"{name}.json"
+
+
+def _l3_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError, IndexError):
+        return 64 << 20
+
+
+def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
+                    repeats: int = 3, max_copies: int = 64) -> dict:
+    """{name: {rows: ms a call}}: the best of `repeats` passes over distinct weight copies
+    (together at least twice the L3, so they stream from memory), candidates interleaved so
+    that other work on the machine falls on all of them alike."""
+    weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
+    copies = max(1, min(max_copies, math.ceil(2 * _l3_bytes() / max(1, weight_bytes))))
+    weights = torch.empty(copies, out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05)
+    best = {name: {} for name in names}
+    with torch.no_grad():
+        for rows in buckets:
+            x = torch.randn(rows, in_features).to(dtype)
+            for name in names:
+                CANDIDATES[name](x, weights[0])  # first call: allocations, dispatch
+            for _ in range(repeats):
+                for name in names:
+                    fn = CANDIDATES[name]
+                    start = time.perf_counter()
+                    for w in weights:
+                        fn(x, w)
+                    ms = (time.perf_counter() - start) * 1e3 / copies
+                    best[name][rows] = min(best[name].get(rows, math.inf), ms)
+    return best
+
+
+def choose_small(times: dict) -> str:
+    """The one product for rows 1..INVARIANT_ROWS from time_candidates' result over (at
+    least) SMALL_BUCKETS: the best mean of time / best time, the skinny op within its margin."""
+    def relative(name):
+        return sum(times[name][b] / min(t[b] for t in times.values())
+                   for b in SMALL_BUCKETS) / len(SMALL_BUCKETS)
+
+    scores = {name: relative(name) for name in times}
+    small = min(scores, key=scores.get)
+    if "skinny" in scores and scores["skinny"] <= scores[small] * (1 + INVARIANCE_MARGIN):
+        small = "skinny"
+    return small
+
+
+def choose(times: dict) -> dict:
+    """{"small": product for rows 1..INVARIANT_ROWS, "wide": {bucket: product}} from
+    time_candidates' result (rows as ints)."""
+    wide = {b: min(times, key=lambda name: times[name][b]) for b in WIDE_BUCKETS}
+    return {"small": choose_small(times), "wide": wide}
+
+
+class KernelChoice:
+    """Per weight shape and dtype, the product each row count takes on this machine."""
+
+    def __init__(self):
+        self.key = machine()
+        self.path = cache_path(self.key)
+        self.entries = self._load()
+
+    def _load(self) -> dict:
+        if not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            stored, entries = data["machine"], data["entries"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("kernel choice cache %s unreadable (%s): measuring again", self.path, exc)
+            return {}
+        if stored != self.key:
+            log.warning("kernel choice cache %s was measured on %s, not this machine (%s): "
+                        "measuring again", self.path, stored, self.key)
+            return {}
+        return entries
+
+    def _save(self):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"machine": self.key, "entries": self.entries}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("kernel choice cache %s not written (%s): the choice holds for this "
+                        "process only", self.path, exc)
+
+    @staticmethod
+    def shape_key(out_features: int, in_features: int, dtype) -> str:
+        return f"{out_features}x{in_features}/{str(dtype).removeprefix('torch.')}"
+
+    def entry(self, out_features: int, in_features: int, dtype) -> dict:
+        key = self.shape_key(out_features, in_features, dtype)
+        found = self.entries.get(key)
+        names = candidates(dtype)
+        if found is None or found.get("small") not in names:
+            times = time_candidates(out_features, in_features, dtype, names,
+                                    SMALL_BUCKETS + WIDE_BUCKETS)
+            found = {**choose(times), "ms": times}
+            found["wide"] = {str(b): name for b, name in found["wide"].items()}
+            self.entries[key] = found
+            self._save()
+            log.info("linear %s: %s for 1-%d rows (measured)", key, found["small"],
+                     INVARIANT_ROWS)
+        return found
+
+
+_choice = None
+_products = {}
+
+
+def product(weight: torch.Tensor, rows: int):
+    """The function computing `x @ weight.T` for `rows` rows (<= MAX_ROWS) on this machine."""
+    global _choice
+    out_features, in_features = weight.shape
+    bucket = 0 if rows <= INVARIANT_ROWS else next(b for b in WIDE_BUCKETS if rows <= b)
+    key = (out_features, in_features, weight.dtype, bucket)
+    fn = _products.get(key)
+    if fn is None:
+        pinned = os.environ.get(PIN_ENV)
+        if pinned:
+            if pinned not in CANDIDATES:
+                raise ValueError(f"{PIN_ENV}={pinned!r}; expected one of {tuple(CANDIDATES)}")
+            name = pinned if pinned in candidates(weight.dtype) else "f_linear"
+        else:
+            _choice = _choice or KernelChoice()
+            found = _choice.entry(out_features, in_features, weight.dtype)
+            name = found["small"] if bucket == 0 else found["wide"][str(bucket)]
+        fn = _products[key] = CANDIDATES[name]
+    return fn
+
+
+def reset():
+    """Forget the choices of this process (the next call reads the cache again)."""
+    global _choice
+    _choice = None
+    _products.clear()

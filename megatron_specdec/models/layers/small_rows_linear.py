@@ -1,0 +1,41 @@
+"""Column/RowParallelLinear whose no-grad forward over a few rows takes the product measured
+fastest on this machine (models/layers/linear_kernels.py).
+
+Decoding multiplies 1-16 rows (a step, a verify forward) by each weight, where CPU GEMM
+libraries run far below memory bandwidth, by amounts that differ from one CPU to the next.
+Training, any forward that tracks gradients, and wide calls (a prefill) take megatron's path.
+"""
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product
+
+
+def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (not torch.is_grad_enabled() or not weight.requires_grad) \
+        and x.numel() <= MAX_ROWS * x.shape[-1] and x.device.type == "cpu"
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no bias) by the product this machine runs fastest for the row count."""
+    if uses_small_rows(x, weight):
+        return product(weight, x.numel() // max(1, x.shape[-1]))(x, weight)
+    return F.linear(x, weight)
+
+
+class _SmallRowsMixin:
+    def _forward_impl(self, input, weight, bias=None, *args, **kwargs):
+        if uses_small_rows(input, weight) and not kwargs.get("sequence_parallel", False):
+            out = rows_linear(input, weight)
+            return out if bias is None else out + bias
+        return super()._forward_impl(input, weight, bias, *args, **kwargs)
+
+
+class SmallRowsColumnParallelLinear(_SmallRowsMixin, ColumnParallelLinear):
+    pass
+
+
+class SmallRowsRowParallelLinear(_SmallRowsMixin, RowParallelLinear):
+    pass

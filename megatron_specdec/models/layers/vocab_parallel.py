@@ -1,0 +1,35 @@
+"""Reductions over logits split across tensor-parallel ranks (vocab-parallel), shared by the
+draft losses (models/layers/losses.py) and drafting (inference/, methods/)."""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from torch import Tensor
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
+    """Global argmax [N] of logits split over TP (this rank's slice starts at `offset`);
+    ties go to the lowest id."""
+    group = ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    values, index = logits.max(-1)
+    if size == 1:
+        return index + offset
+    both = torch.stack([values.float(), (index + offset).float()])
+    gathered = [torch.empty_like(both) for _ in range(size)]
+    dist.all_gather(gathered, both, group=group)
+    stacked = torch.stack(gathered)  # [TP, 2, N]
+    best = stacked[:, 0].argmax(0)  # first rank with the max = lowest id
+    return stacked[:, 1].gather(0, best[None])[0].long()
+
+
+def vocab_parallel_gather(logits: Tensor, size: int) -> Tensor:
+    """Logits [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size` dropped)."""
+    return gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())[:, :size]
+
+
+def vocab_parallel_log_probs(logits: Tensor, size: int) -> Tensor:
+    """Log-softmax [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size`)."""
+    return vocab_parallel_gather(logits, size).float().log_softmax(-1)
