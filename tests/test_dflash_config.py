@@ -2,7 +2,11 @@
 
 import pytest
 
+from megatron_specdec import registry
 from megatron_specdec.methods.dflash import config
+from test_dflash_parallel import _registered
+
+_registered()
 
 
 @pytest.mark.parametrize("key,value", [
@@ -13,18 +17,18 @@ from megatron_specdec.methods.dflash import config
 ])
 def test_bad_value_refused_by_name(key, value):
     with pytest.raises(config.DFlashConfigError) as err:
-        config.parse({key: value}, num_base_layers=4, vocab_size=500)
+        registry.parse_config("dflash", {key: value}, num_layers=4, vocab_size=500)
     message = str(err.value)
     assert key in message and "\n" not in message
 
 
 def test_unknown_key_refused_by_name():
-    with pytest.raises(config.DFlashConfigError, match="blok_size"):
-        config.parse({"blok_size": 8}, 4, 500)
+    with pytest.raises(registry.ConfigError, match="blok_size"):
+        registry.parse_config("dflash", {"blok_size": 8}, 4, 500)
 
 
 def test_defaults_fit_the_base():
-    cfg = config.parse(None, num_base_layers=30, vocab_size=49152)
+    cfg = registry.parse_config("dflash", None, num_layers=30, vocab_size=49152)
     assert cfg.mask_token_id == 49151
     assert len(cfg.target_layer_ids) == 5 and all(0 <= i < 30 for i in cfg.target_layer_ids)
-    assert config.from_dict(config.to_dict(cfg)) == cfg
+    assert registry.config_from_dict(registry.config_to_dict(cfg)) == cfg

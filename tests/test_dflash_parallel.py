@@ -34,37 +34,34 @@ def batches():
     return out
 
 
-def attach(base, cfg, hf):
-    """The base + DFlash model (until the registry routes `models.speculative.attach`)."""
-    from megatron_specdec.methods.dflash.loss import dflash_loss
-    from megatron_specdec.methods.dflash.model import build_draft
-    from megatron_specdec.models.speculative_gpt import SpeculativeGPTModel
+def _registered():
+    """The DFlash method in the registry (registered here until the built-in table names it:
+    /work/brief/REQUESTS_H44.md)."""
+    from megatron_specdec import registry
+    from megatron_specdec.methods.dflash import METHOD
 
-    class _DFlashGPT(SpeculativeGPTModel):
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.carries_embeds = True
-
-        def draft_loss(self, *args):
-            return dflash_loss(self, *args)
-
-    return _DFlashGPT(base, cfg, build_draft(base, cfg, VOCAB, 3), VOCAB)
+    if "dflash" not in registry.names():
+        registry.register(METHOD)
 
 
 def build(hf_draft=None):
     """This rank's base + DFlash model; the draft from HF-named tensors when given."""
     from transformers import LlamaForCausalLM
 
+    from megatron_specdec import registry
     from megatron_specdec.loading.hf_conversion import load_hf_into_model
-    from megatron_specdec.methods.dflash import config, hf_weights
+    from megatron_specdec.methods.dflash import hf_weights
     from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import attach
+
+    _registered()
 
     hf = tiny_hf_config()
     torch.manual_seed(0)
     hf_state = LlamaForCausalLM(hf).state_dict()
     base = build_model(hf)
     load_hf_into_model(base, hf, hf_state)
-    cfg = config.parse(dict(DFLASH), hf.num_hidden_layers, VOCAB)
+    cfg = registry.parse_config("dflash", dict(DFLASH), hf.num_hidden_layers, VOCAB)
     model = attach(base, cfg, hf)
     if hf_draft is not None and model.draft is not None:
         hf_weights.load_hf_state(model.draft, cfg, model.draft.geometry, hf_draft)

@@ -1,14 +1,17 @@
-"""DFlash draft configuration, validated against the base it drafts for.
+"""DFlash draft configuration, validated against the base it drafts for (the registry's
+`parse_config` refuses unknown keys and calls `validate`).
 
 The keys are the ones the engines read (`dflash_config.mask_token_id`,
 `dflash_config.target_layer_ids`, `block_size`), so the export writes them unchanged.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_specdec.registry import ConfigError
 
-class DFlashConfigError(ValueError):
+
+class DFlashConfigError(ConfigError):
     pass
 
 
@@ -37,28 +40,17 @@ class DFlashConfig:
         return list(self.target_layer_ids)
 
 
-def parse(config: Optional[dict], num_base_layers: int, vocab_size: int) -> DFlashConfig:
-    """A DFlashConfig from user keys; unknown keys and out-of-range values are refused in
-    one line naming the key."""
-    config = dict(config or {})
-    known = {f.name for f in fields(DFlashConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise DFlashConfigError(f"dflash config: unknown key(s) {unknown}; known: {sorted(known)}")
-    cfg = DFlashConfig(**config)
-    if cfg.mask_token_id is None:
-        cfg.mask_token_id = vocab_size - 1
-    if cfg.target_layer_ids is None:
-        cfg.target_layer_ids = default_target_layer_ids(num_base_layers)
-    validate(cfg, num_base_layers, vocab_size)
-    return cfg
-
-
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def validate(cfg: DFlashConfig, num_base_layers: int, vocab_size: int) -> None:
+    """Fill the base-dependent defaults (mask token: the last id; target layers), then refuse
+    a value that cannot work in one line naming the key."""
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = vocab_size - 1
+    if cfg.target_layer_ids is None:
+        cfg.target_layer_ids = default_target_layer_ids(num_base_layers)
     if not _is_int(cfg.block_size) or cfg.block_size < 2:
         raise DFlashConfigError(
             f"dflash config: block_size must be an integer >= 2 (the anchor and at least one "
@@ -85,10 +77,8 @@ def validate(cfg: DFlashConfig, num_base_layers: int, vocab_size: int) -> None:
             f"dflash config: loss_decay_gamma must be > 0, got {cfg.loss_decay_gamma!r}")
 
 
-def to_dict(cfg: DFlashConfig) -> dict:
-    return {"algo": cfg.algo, **asdict(cfg)}
-
-
-def from_dict(d: dict) -> DFlashConfig:
-    d = {k: v for k, v in d.items() if k != "algo"}
-    return DFlashConfig(**d)
+def check_num_draft_tokens(cfg: DFlashConfig, k: int) -> None:
+    """A block drafts at most block_size - 1 tokens: the positions it was trained on."""
+    if not 1 <= k <= cfg.block_size - 1:
+        raise DFlashConfigError(f"num_draft_tokens {k}: a DFlash draft with block_size "
+                                f"{cfg.block_size} drafts 1..{cfg.block_size - 1} tokens")

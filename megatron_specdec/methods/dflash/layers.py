@@ -48,19 +48,30 @@ class HeadRMSNorm(torch.nn.RMSNorm):
 
 
 class DFlashAttention(SelfAttention):
-    """Block queries over [context keys; block keys]. `attention_mask` [b, 1, q, s + q] is
-    True where a query may not attend."""
+    """Block queries over [context keys; block keys]. The context's keys/values come from this
+    layer's own q/k/v linear over the projected context (`context_kv`); in training they are
+    passed in, in drafting they sit in a DecodeCache at slot = position. `attention_mask`
+    [b, 1, q, keys] is True where a query may not attend."""
 
-    def forward(self, hidden_states: Tensor, context: Tensor, block_rotary: Optional[Tensor],
-                context_rotary: Optional[Tensor], attention_mask: Tensor) -> Tensor:
+    def context_kv(self, context: Tensor, rotary: Optional[Tensor]):
+        """(keys, values) [s, b, groups, head_dim] of context states [s, b, h] (keys rotated
+        to their positions; the query part of the projection is unused)."""
+        _, key, value = self.get_query_key_value_tensors(context)
+        if rotary is not None:
+            key = apply_rotary_pos_emb(key, rotary, config=self.config)
+        return key, value
+
+    def forward(self, hidden_states: Tensor, block_rotary: Optional[Tensor],
+                attention_mask: Tensor, context_kv=None, cache=None) -> Tensor:
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        _, ctx_key, ctx_value = self.get_query_key_value_tensors(context)
         if block_rotary is not None:
             query = apply_rotary_pos_emb(query, block_rotary, config=self.config)
             key = apply_rotary_pos_emb(key, block_rotary, config=self.config)
-            ctx_key = apply_rotary_pos_emb(ctx_key, context_rotary, config=self.config)
-        keys = torch.cat([ctx_key, key]).contiguous()
-        values = torch.cat([ctx_value, value]).contiguous()
+        if cache is not None:
+            keys, values = cache.append(self.layer_number, key, value)
+        else:
+            keys = torch.cat([context_kv[0], key]).contiguous()
+            values = torch.cat([context_kv[1], value]).contiguous()
         out = self.core_attention(query, keys, values, attention_mask,
                                   attn_mask_type=AttnMaskType.arbitrary)
         out, bias = self.linear_proj(out)
@@ -88,10 +99,9 @@ class DFlashLayer(MegatronModule):
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_args)
         self.mlp = build_module(submodules.mlp, config=config)
 
-    def forward(self, hidden_states, context, block_rotary, context_rotary, attention_mask):
+    def forward(self, hidden_states, block_rotary, attention_mask, context_kv=None, cache=None):
         hidden_states = hidden_states + self.self_attention(
-            self.input_layernorm(hidden_states), context, block_rotary, context_rotary,
-            attention_mask)
+            self.input_layernorm(hidden_states), block_rotary, attention_mask, context_kv, cache)
         out, bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return hidden_states + (out if bias is None else out + bias)
 
@@ -134,7 +144,24 @@ class DFlashModule(MegatronModule):
         """Block inputs [q, b, h] and context [s, b, h] -> final hidden states [q, b, h]."""
         hidden = block_embeds
         for layer in self.layers:
-            hidden = layer(hidden, context, block_rotary, context_rotary, attention_mask)
+            kv = layer.self_attention.context_kv(context, context_rotary)
+            hidden = layer(hidden, block_rotary, attention_mask, context_kv=kv)
+        return self.final_layernorm(hidden)
+
+    def cache_context(self, context: Tensor, rotary: Optional[Tensor], cache) -> None:
+        """Write every layer's context keys/values of context [s, b, h] at the cache's placed
+        slots (drafting)."""
+        for layer in self.layers:
+            attention = layer.self_attention
+            cache.append(attention.layer_number, *attention.context_kv(context, rotary))
+
+    def decode(self, block_embeds: Tensor, block_rotary: Optional[Tensor],
+               attention_mask: Tensor, cache) -> Tensor:
+        """`forward` over a cache holding the context (drafting): the block's keys/values
+        go to the cache's placed slots."""
+        hidden = block_embeds
+        for layer in self.layers:
+            hidden = layer(hidden, block_rotary, attention_mask, cache=cache)
         return self.final_layernorm(hidden)
 
 

@@ -1,0 +1,106 @@
+"""DFlash drafting on a small seeded random Llama: the proposer's block (one draft forward
+over its cache) gives the logits the training forward gives at the same anchor; speculative
+output over a ragged batch equals each row's plain greedy output (fixed blocks and
+confidence-cut blocks); sampling with drafts drawn from the draft's own distribution has
+plain sampling's distribution (the chi-square of test_speculative_sampling)."""
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+from test_dflash_parallel import _registered
+from test_speculative_generation import HF, PROMPT
+from test_speculative_sampling import SETTINGS, _samples, _same_distribution
+
+K = 4
+DFLASH = {"block_size": K + 1, "target_layer_ids": [0, 1, 2], "num_layers": 1}
+_g = torch.Generator().manual_seed(11)
+PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_specdec.loading.hf_conversion import load_hf_into_model
+    from megatron_specdec.models.provider import build_model
+    from megatron_specdec.models.speculative import convert
+
+    _registered()
+    distributed.initialize(1, 1)
+    hf = LlamaConfig(**HF)
+    torch.manual_seed(0)
+    state = LlamaForCausalLM(hf).state_dict()
+    base = build_model(hf)
+    load_hf_into_model(base, hf, state)
+    model = convert(base, "dflash", dict(DFLASH), hf_config=hf).eval()
+    with torch.no_grad():  # norms and the mask embedding away from their constant init
+        g = torch.Generator().manual_seed(3)
+        for p in model.draft.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_block_matches_training_forward(model):
+    """Anchor a of a sequence: the training path (context = positions < a, blocks masked as
+    in the loss) and the proposer (prefill of tokens < a, pending token a) agree."""
+    from megatron_specdec.methods.dflash.layers import block_attention_mask
+    from megatron_specdec.methods.dflash.model import draft_logits
+    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
+
+    ids = torch.tensor([PROMPT])
+    a = 12
+    with torch.no_grad():
+        state = model.run_base(ids)
+        draft = model.draft
+        context = draft.context(torch.cat(state.aux, dim=-1))
+        anchors = torch.tensor([[a]])
+        block = draft.block_inputs(state.embeds[a:a + 1], K + 1)
+        rope = model.rotary_pos_emb(len(PROMPT) + K + 1)
+        positions = torch.arange(a, a + K + 1)
+        mask = block_attention_mask(anchors, K + 1, len(PROMPT))
+        hidden = draft(block, context, rope[positions], rope[:len(PROMPT)], mask)
+        want = draft_logits(model, hidden[1:])
+
+        class Out:
+            aux = torch.cat(state.aux, dim=-1)[:a]
+
+        drafter = DFlashDrafter(model, model.base.embedding)
+        drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+        got = drafter.block_logits(K)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert int(drafter.cache.lengths[0]) == a  # the block left no entries behind
+
+
+def test_batch_greedy_identity(model):
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+
+    new = 12
+    greedy = [plain_generate(model.base, [p], new, HF["vocab_size"])[0] for p in PROMPTS]
+    for policy in (DraftPolicy(K, None), DraftPolicy(K, 0.02)):
+        results = SpeculativeGenerator(model, K, policy=policy).generate_batch(PROMPTS, new)
+        assert [r.tokens for r in results] == [g[:new] for g in greedy]
+        assert all(sum(r.drafted) > 0 for r in results)  # every row drafted blocks
+
+
+@pytest.mark.slow
+def test_sampling_matches_plain_sampling(model):
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+
+    new = 3
+
+    def plain(seed):
+        rng = torch.Generator().manual_seed(seed)
+        return plain_generate(model.base, [PROMPT], new, HF["vocab_size"], generator=rng,
+                              **SETTINGS)[0]
+
+    own = SpeculativeGenerator(model, K, policy="fixed")
+
+    def with_draft_probs(seed):
+        return own.generate(PROMPT, new, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+
+    assert _same_distribution(_samples(plain), _samples(with_draft_probs)) > 1e-3
