@@ -4,9 +4,6 @@ import pytest
 
 from megatron_specdec import registry
 from megatron_specdec.methods.dflash import config
-from test_dflash_parallel import _registered
-
-_registered()
 
 
 @pytest.mark.parametrize("key,value", [

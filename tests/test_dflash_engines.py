@@ -19,9 +19,7 @@ def _export_worker(hf_dir, out_dir):
     from megatron_specdec.loading.hf_conversion import model_from_hf, read_hf_config
     from megatron_specdec.methods.dflash import hf_weights
     from megatron_specdec.models.speculative import convert
-    from test_dflash_parallel import _registered
-
-    _registered()
+    
     distributed.initialize(1, 1)
     base = model_from_hf(hf_dir)[0]
     hf = read_hf_config(hf_dir)

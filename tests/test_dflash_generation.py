@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_specdec import distributed
-from test_dflash_parallel import _registered
 from test_speculative_generation import HF, PROMPT
 from test_speculative_sampling import SETTINGS, _samples, _same_distribution
 
@@ -26,7 +25,6 @@ def model():
     from megatron_specdec.models.provider import build_model
     from megatron_specdec.models.speculative import convert
 
-    _registered()
     distributed.initialize(1, 1)
     hf = LlamaConfig(**HF)
     torch.manual_seed(0)

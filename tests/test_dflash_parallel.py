@@ -34,16 +34,6 @@ def batches():
     return out
 
 
-def _registered():
-    """The DFlash method in the registry (registered here until the built-in table names it:
-    /work/brief/REQUESTS_H44.md)."""
-    from megatron_specdec import registry
-    from megatron_specdec.methods.dflash import METHOD
-
-    if "dflash" not in registry.names():
-        registry.register(METHOD)
-
-
 def build(hf_draft=None):
     """This rank's base + DFlash model; the draft from HF-named tensors when given."""
     from transformers import LlamaForCausalLM
@@ -54,7 +44,6 @@ def build(hf_draft=None):
     from megatron_specdec.models.provider import build_model
     from megatron_specdec.models.speculative import attach
 
-    _registered()
 
     hf = tiny_hf_config()
     torch.manual_seed(0)

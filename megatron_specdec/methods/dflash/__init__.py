@@ -16,6 +16,7 @@ METHOD = DraftMethod(
     aux_layer_ids=lambda cfg: cfg.aux_layer_ids,
     carries_embeds=True,
     loss=lazy(f"{_P}.loss:dflash_loss"),
+    loss_steps=lambda cfg: cfg.block_size - 1,
     trainable=True,
     proposer=lazy(f"{_P}.proposer:make_proposer"),
     default_num_draft_tokens=lambda cfg: cfg.block_size - 1,

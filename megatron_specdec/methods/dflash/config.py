@@ -5,7 +5,7 @@ The keys are the ones the engines read (`dflash_config.mask_token_id`,
 `dflash_config.target_layer_ids`, `block_size`), so the export writes them unchanged.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megatron_specdec.registry import ConfigError
@@ -30,8 +30,9 @@ class DFlashConfig:
     num_layers: int = 1  # vLLM's CPU build runs one layer correctly (see block_drafters.md)
     mask_token_id: Optional[int] = None  # default: the base's last vocabulary id
     target_layer_ids: Optional[List[int]] = None
-    anchors_per_sequence: int = 8
-    loss_decay_gamma: float = 4.0  # block position i weighs exp(-(i - 1) / gamma)
+    anchors_per_sequence: int = field(default=8, metadata={"resumable": True})
+    # block position i weighs exp(-(i - 1) / gamma)
+    loss_decay_gamma: float = field(default=4.0, metadata={"resumable": True})
 
     algo = "dflash"
 

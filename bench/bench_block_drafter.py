@@ -1,0 +1,129 @@
+"""DFlash vs EAGLE3 from scratch at equal training tokens on the same data: both recipes'
+drafts trained with the same sequences, order, length, batch and step count (so the same
+input tokens), learning curves of both in one plot (per-position top-1 accuracy of the
+scored tokens, and the greedy acceptance length those accuracies imply,
+1 + sum_k prod_{i<=k} acc_i, an estimate from teacher-forced accuracies, not a measured AL).
+
+    python bench/bench_block_drafter.py --steps 30 --seq-length 256 --global-batch-size 2
+
+Writes bench/results/block_drafter_vs_eagle3_from_scratch.json and .png (CPU model, commit
+and load average recorded). Each run is `python -m megatron_specdec.cli.train` on its recipe
+(recipes/eagle3_smollm2.yaml, recipes/dflash_smollm2.yaml) with the overrides below.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"eagle3": "recipes/eagle3_smollm2.yaml", "dflash": "recipes/dflash_smollm2.yaml"}
+RESULT = "block_drafter_vs_eagle3_from_scratch"
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith("Model name")), "unknown")
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=REPO).stdout.strip()
+
+
+def implied_al(accuracy) -> float:
+    """1 + sum_k prod_{i<=k} acc_i over the draft positions (independence assumed)."""
+    total, chain = 1.0, 1.0
+    for a in accuracy:
+        chain *= a
+        total += chain
+    return total
+
+
+def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
+    overrides = [f"output_dir={out_dir}", f"training.steps={args.steps}",
+                 f"data.seq_length={args.seq_length}",
+                 f"training.global_batch_size={args.global_batch_size}",
+                 "training.micro_batch_size=1", f"optimizer.warmup_steps={args.warmup}",
+                 "checkpointing.interval=0", "checkpointing.resume=false",
+                 "evaluation.interval=0", "logging.interval=1"]
+    log = open(out_dir.with_suffix(".log"), "w")
+    return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
+                             RECIPES[algo], *overrides], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def curve(out_dir: Path) -> list:
+    rows = []
+    for line in (out_dir / "train_log.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "accuracy" in r:
+            rows.append({"step": r["step"], "loss": r["loss"], "accuracy": r["accuracy"],
+                         "implied_al": implied_al(r["accuracy"])})
+    return rows
+
+
+def plot(result: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for algo, rows in result["curves"].items():
+        tokens = [r["step"] * result["tokens_per_step"] for r in rows]
+        ax[0].plot(tokens, [r["implied_al"] for r in rows], label=algo)
+        ax[1].plot(tokens, [r["accuracy"][0] for r in rows], label=algo)
+    ax[0].set(xlabel="training input tokens", ylabel="implied AL (teacher-forced accuracies)")
+    ax[1].set(xlabel="training input tokens", ylabel="top-1 accuracy, draft position 1")
+    for a in ax:
+        a.legend()
+    fig.suptitle(f"from scratch, same data; {result['cpu']} @ {result['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--global-batch-size", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--work-dir", default="runs/bench_block_drafter")
+    p.add_argument("--window", type=int, default=5, help="steps averaged for the final figures")
+    args = p.parse_args()
+    work = REPO / args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    load_before, started = os.getloadavg(), time.time()
+    procs = {algo: train(algo, work / algo, args) for algo in RECIPES}  # side by side
+    for algo, proc in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"{algo} training failed: see {work / algo}.log")
+    curves = {algo: curve(work / algo) for algo in RECIPES}
+    final = {algo: {k: sum(r[k] for r in rows[-args.window:]) / len(rows[-args.window:])
+                    for k in ("loss", "implied_al")} for algo, rows in curves.items()}
+    result = {
+        "what": "DFlash vs EAGLE3 drafts trained from scratch on the same data, equal input tokens",
+        "cpu": cpu_model(), "commit": commit(), "seconds": time.time() - started,
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "steps": args.steps, "seq_length": args.seq_length,
+        "global_batch_size": args.global_batch_size,
+        "tokens_per_step": args.seq_length * args.global_batch_size,
+        "final_mean_of_last_steps": final,
+        "implied_al_ratio_dflash_over_eagle3": final["dflash"]["implied_al"] / final["eagle3"]["implied_al"],
+        "curves": curves,
+    }
+    out = REPO / "bench" / "results" / f"{RESULT}.json"
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, out)
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("cpu", "commit", "final_mean_of_last_steps",
+                                             "implied_al_ratio_dflash_over_eagle3")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
