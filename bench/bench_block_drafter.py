@@ -94,6 +94,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--work-dir", default="runs/bench_block_drafter")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the final figures")
+    p.add_argument("--commit", help="the commit to record (default: this checkout's HEAD; a "
+                                    "copied tree run away from a moving checkout names it)")
     args = p.parse_args()
     work = REPO / args.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -107,7 +109,7 @@ def main():
                     for k in ("loss", "implied_al")} for algo, rows in curves.items()}
     result = {
         "what": "DFlash vs EAGLE3 drafts trained from scratch on the same data, equal input tokens",
-        "cpu": cpu_model(), "commit": commit(), "seconds": time.time() - started,
+        "cpu": cpu_model(), "commit": args.commit or commit(), "seconds": time.time() - started,
         "load_average_before_after": [load_before, os.getloadavg()],
         "steps": args.steps, "seq_length": args.seq_length,
         "global_batch_size": args.global_batch_size,
