@@ -41,13 +41,16 @@ $(VLLM_VENV)/.installed: Makefile
 
 vllm-env: $(VLLM_VENV)/.installed
 
+# lint-imports first: a wrong-way import (.importlinter's layers) fails in seconds, named.
 test: install vllm-env
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 test-engines: install vllm-env
 	$(PY) -m pytest -m engines $(PYTEST_ARGS) tests
 
 test-fast: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
 
 demo: install

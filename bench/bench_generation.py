@@ -32,7 +32,7 @@ bench/results/generation.json (plot beside it).
     python bench/bench_generation.py --data data/sources/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
-        [--temperature 0.7] [--drafter draft-model --draft-model DRAFT_CKPT]
+        [--temperature 0.7] [--drafter draft_model --draft-model DRAFT_CKPT]
         [--vllm-eagle3 models/eagle3_smollm2]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
@@ -166,7 +166,7 @@ def assisted_runs(args, hf_dir, model_class, eos):
     if args.draft_model_hf is None:
         return {}
     if args.draft_model is None:
-        raise SystemExit("--draft-model-hf goes with --drafter draft-model --draft-model CKPT "
+        raise SystemExit("--draft-model-hf goes with --drafter draft_model --draft-model CKPT "
                          "(the checkpoint it was exported from)")
     if not (Path(args.draft_model_hf) / "config.json").is_file():
         raise SystemExit(f"--draft-model-hf {args.draft_model_hf}: no config.json there "
@@ -192,9 +192,9 @@ def draft_model_generators(args, model, policies):
 
     if args.draft_model is None:
         return {}
-    drafter = build_drafter(model, "draft-model", args.draft_model)
+    drafter = build_drafter(model, "draft_model", args.draft_model)
     return {f"draft-model {name}": SpeculativeGenerator(
-        model, args.num_draft_tokens, policy=policy, drafter_kind="draft-model",
+        model, args.num_draft_tokens, policy=policy, drafter_kind="draft_model",
         drafter=drafter) for name, policy in policies.items()}
 
 
@@ -219,10 +219,10 @@ def main():
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--model", default=None, help="speculative checkpoint (default: random draft)")
     p.add_argument("--algo", choices=("eagle3", "medusa"), default="eagle3")
-    p.add_argument("--drafter", choices=("draft-model",), default=None,
+    p.add_argument("--drafter", choices=("draft_model",), default=None,
                    help="also run this drafter (beside the draft module and n-gram)")
     p.add_argument("--draft-model", default=None,
-                   help="--drafter draft-model: a GPT checkpoint of the target's vocabulary")
+                   help="--drafter draft_model: a GPT checkpoint of the target's vocabulary")
     p.add_argument("--draft-model-hf", default=None,
                    help="the HF export of --draft-model (megatron_to_hf): adds transformers' "
                         "assisted generation with the same draft")
@@ -490,7 +490,7 @@ def sampling_speed(model, hf_model, prompts, eos, args):
                   "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
     generators.update({f"project {name} speculative": g for name, g in
                        draft_model_generators(args, model, {"adaptive": "adaptive"}).items()})
-    if model.algo == "medusa":  # the lossy option beside the lossless ones
+    if model.method.typical_acceptance:  # the lossy option beside the lossless ones
         generators["project medusa typical acceptance"] = SpeculativeGenerator(
             model, typical=TypicalAcceptance())
     stats = {name: [0.0, 0, []] for name in

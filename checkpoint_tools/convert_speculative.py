@@ -16,8 +16,8 @@ import logging
 import sys
 import time
 
+from megatron_specdec import registry
 from megatron_specdec.cli.common import ArgumentParser, run_cli
-from megatron_specdec.methods.config import ALGOS
 
 RENAMED = {"--model_path": "--model", "--specdec_algo": "--algo", "--export_dir": "--out",
            "--draft_vocab_size": "--draft-vocab-size", "--calibration_data": "--calibration-data",
@@ -35,7 +35,7 @@ def _layer_ids(text):
 def build_parser():
     p = ArgumentParser(description=__doc__, renamed=RENAMED)
     p.add_argument("--model", required=True, help="base Megatron checkpoint directory")
-    p.add_argument("--algo", required=True, help=f"one of: {', '.join(ALGOS)}")
+    p.add_argument("--algo", required=True, help=f"one of: {', '.join(registry.attaching())}")
     p.add_argument("--out", required=True, help="speculative checkpoint directory to write")
     p.add_argument("--draft-vocab-size", type=int,
                    help="EAGLE3 draft vocabulary size (default: the full vocabulary); smaller "
@@ -56,10 +56,15 @@ def build_parser():
 
 
 def draft_config(args) -> dict:
-    """The draft config dict (spec_config keys) the flags describe; unset flags keep defaults."""
-    eagle = args.algo.lower() in ("eagle3", "eagle")
+    """The draft config dict (the method's config keys) the flags describe; unset flags keep
+    defaults. --num-layers is the method's `*_num_layers` key."""
+    try:
+        cls = registry.get(registry.canonical(args.algo.lower())).config_class
+    except registry.UnknownMethodError:
+        cls = None  # refused with the valid names when the config is parsed
+    keys = registry.user_keys(cls) if cls is not None else []
     flags = {
-        ("eagle_num_layers" if eagle else "medusa_num_layers"): args.num_layers,
+        next((k for k in keys if k.endswith("_num_layers")), "num_layers"): args.num_layers,
         "draft_vocab_size": args.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids": args.aux_layers,
         "ttt_steps": args.ttt_steps,

@@ -49,13 +49,12 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec import registry
     from megatron_specdec.export import draft_source, full_export
-    from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
-    from megatron_specdec.methods.medusa import hf_export as medusa_hf
 
     algo = draft_source.draft_meta(args.model).get("draft", {}).get("algo", "eagle3")
-    if args.verify_with and algo != "eagle3":
+    method = registry.get(algo)
+    if args.verify_with and method is not registry.get("eagle3"):
         raise ValueError(f"--verify-with checks EAGLE3 exports; {args.model} holds a {algo} "
                          f"draft (vLLM 0.32's Medusa support is described in the README)")
     if (args.verify_base or args.min_acceptance_length) and not args.verify_with:
@@ -67,14 +66,10 @@ def main(argv=None):
                              "--full keeps the checkpoint's dtype")
         full_export.export_full(args.model, args.out, overwrite=args.overwrite)
     else:
-        if algo == "medusa":
-            if args.max_shard_mb:
-                raise ValueError("--max-shard-mb applies to EAGLE3 exports")
-            medusa_hf.export_medusa(args.model, args.out, dtype=args.dtype,
-                                    overwrite=args.overwrite)
-        else:
-            eagle3_hf.export_eagle3(args.model, args.out, dtype=args.dtype,
-                                    overwrite=args.overwrite, max_shard_mb=args.max_shard_mb)
+        if method.export_hf is None:
+            raise ValueError(f"{args.model} holds a {algo} draft, which has no HF export")
+        method.export_hf(args.model, args.out, dtype=args.dtype, overwrite=args.overwrite,
+                         max_shard_mb=args.max_shard_mb)
     logging.getLogger("export_draft").info("wrote %s in %.1f s", args.out, time.time() - start)
     if args.verify_with:
         verify(args)

@@ -1,7 +1,7 @@
 """Depth-prune a GPT into a draft model of the same vocabulary: keep the --num-layers layers of
 highest measured importance (block influence on --data conversations; see
 megatron_specdec/methods/draft_model/pruning.py) and write a normal checkpoint (tokenizer included) that
-`--drafter draft-model --draft-model OUT` drafts with and megatron_to_hf exports.
+`--drafter draft_model --draft-model OUT` drafts with and megatron_to_hf exports.
 
     python checkpoint_tools/prune_depth.py --model default --num-layers 10 \\
         --data data/smollm2_regen.jsonl.gz --out runs/draft_models/smollm2_10l

@@ -32,7 +32,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     from megatron_specdec.models.default_model import resolve_model_path
-    from megatron_specdec.export.draft_vocab_recalibrate import recalibrate
+    from megatron_specdec.methods.eagle3.vocab_recalibrate import recalibrate
 
     result = recalibrate(args.draft, resolve_model_path(args.model), args.data, args.out,
                          args.draft_vocab_size, args.max_shard_mb, args.overwrite)

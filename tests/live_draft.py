@@ -83,11 +83,11 @@ def write(live: LiveFit, base_dir, out_dir, num_layers=1):
     for the HF base in `base_dir`."""
     from transformers import AutoConfig
 
-    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec import registry
     from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
 
     base = AutoConfig.from_pretrained(base_dir)
-    cfg = spec_config.parse("eagle3", {"eagle_num_layers": num_layers,
+    cfg = registry.parse_config("eagle3", {"eagle_num_layers": num_layers,
                                        "draft_vocab_size": live.d2t.numel(),
                                        "eagle_aux_hidden_state_layer_ids": list(FIT_LAYERS)},
                             base.num_hidden_layers, base.vocab_size)

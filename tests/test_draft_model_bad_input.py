@@ -1,7 +1,7 @@
 """Bad draft models are refused before anything is loaded, naming what is wrong: another
 vocabulary size (both sizes named), another tokenizer (both directories named), a
 speculative checkpoint or an HF EAGLE3 directory (not a plain GPT), an unsupported
-architecture, and --drafter draft-model without --draft-model (or the reverse)."""
+architecture, and --drafter draft_model without --draft-model (or the reverse)."""
 
 import json
 import shutil
@@ -97,7 +97,7 @@ def test_hf_eagle3_directory_is_refused_by_name(tmp_path):
         check_draft_checkpoint(tmp_path, 512)
 
 
-@pytest.mark.parametrize("drafter,path", [("draft-model", None), ("ngram", "somewhere")])
+@pytest.mark.parametrize("drafter,path", [("draft_model", None), ("ngram", "somewhere")])
 def test_draft_model_flags_go_together(drafter, path):
     from megatron_specdec.cli.validate import check_draft_model_args
 

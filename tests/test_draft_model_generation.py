@@ -63,7 +63,7 @@ def identity_worker(tp, pp, draft_dir, out_file):
     save_draft(draft_dir, KEEP)  # at this layout; the drafter reads it whole
     model = build("eagle3")
     greedy = plain_generate(model.base, [PROMPT], NEW, HF["vocab_size"])[0]
-    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft-model",
+    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft_model",
                                      draft_model=draft_dir)
     results = {"fixed": generator.generate(PROMPT, NEW)}
     generator.policy = DraftPolicy(K, THRESHOLD)
@@ -92,7 +92,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
     distributed.initialize(1, 1)
     model = build("eagle3")
     target, _ = draft_model([0, 1, 2, 3])
-    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft-model",
+    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft_model",
                                      drafter=DraftModelDrafter(target, HF["vocab_size"]))
     result = generator.generate(PROMPT, NEW)
     assert result.accepted == [K] * len(result.accepted), result.accepted

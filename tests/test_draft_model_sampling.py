@@ -22,7 +22,7 @@ def test_draft_model_sampling_matches_plain_sampling():
     model = build("eagle3")
     draft, _ = draft_model(KEEP)
     vocab = HF["vocab_size"]
-    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft-model",
+    generator = SpeculativeGenerator(model, K, policy="fixed", drafter_kind="draft_model",
                                      drafter=DraftModelDrafter(draft, vocab))
     plain, spec, accepted = [], [], []
     for seed in range(RUNS):

@@ -10,7 +10,7 @@ import torch
 
 from megatron_specdec.data.jsonl import DataError
 from megatron_specdec.methods.eagle3.hf_import import read_hf_draft
-from megatron_specdec.export.draft_vocab_recalibrate import base_output_rows, recalibrate, remap_rows
+from megatron_specdec.methods.eagle3.vocab_recalibrate import base_output_rows, recalibrate, remap_rows
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "eagle3_smollm2"
 

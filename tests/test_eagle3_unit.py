@@ -7,23 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_specdec.methods import config as spec_config
+from megatron_specdec import registry
 from megatron_specdec.models.families import rope_settings
 from megatron_specdec.models.layers import losses
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
-from megatron_specdec.methods.config import SpecConfigError
+from megatron_specdec.registry import ConfigError as SpecConfigError
 
 
 # ---- configuration ------------------------------------------------------------------------
 def test_config_defaults_and_modelopt_forms():
-    cfg = spec_config.parse("eagle3", {"eagle_num_layers": 2, "use_last_layernorm": False}, 30, 49152)
+    cfg = registry.parse_config("eagle3", {"eagle_num_layers": 2, "use_last_layernorm": False}, 30, 49152)
     assert cfg.aux_layer_ids == [1, 14, 26] and cfg.ttt_steps == 7 and cfg.ttt_decay == 0.8
     assert cfg.draft_vocab_size == 49152 and cfg.padded_draft_vocab_size == 49152
-    listed = spec_config.parse([("eagle", {"draft_vocab_size": 1000})], None, 30, 49152)
+    listed = registry.parse_config([("eagle", {"draft_vocab_size": 1000})], None, 30, 49152)
     assert listed.algo == "eagle3" and listed.padded_draft_vocab_size == 1024
-    medusa = spec_config.parse([("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 2})], None, 30, 49152)
+    medusa = registry.parse_config([("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 2})], None, 30, 49152)
     assert medusa.medusa_head_weights == pytest.approx([1.0, 0.8, 0.64])
-    assert spec_config.from_dict(spec_config.to_dict(cfg)) == cfg
+    assert registry.config_from_dict(registry.config_to_dict(cfg)) == cfg
 
 
 @pytest.mark.parametrize("algo,config,message", [
@@ -38,7 +38,7 @@ def test_config_defaults_and_modelopt_forms():
 ])
 def test_config_errors_name_the_problem(algo, config, message):
     with pytest.raises(SpecConfigError, match=None) as e:
-        spec_config.parse(algo, config, 30, 49152)
+        registry.parse_config(algo, config, 30, 49152)
     assert message in str(e.value)
 
 

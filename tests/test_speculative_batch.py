@@ -22,7 +22,7 @@ WRONG_AT = [(5, 6), (1,), (), (2, 3, 9)]  # per row: emitted positions the oracl
 THRESHOLD = 0.02  # around the random drafts' top probabilities: adaptive chains vary
 _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
-DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft-model"), "medusa": ("medusa",)}
+DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft_model"), "medusa": ("medusa",)}
 TREE = (3, 8)  # TreeSpec(top_k, max_nodes) of the random-draft trees; oracle trees: top-2
 
 
@@ -51,7 +51,7 @@ def batch_worker(tp, pp, draft_dir, out_file):
         for kind in kinds:
             generator = SpeculativeGenerator(
                 model, K, drafter_kind=kind,
-                draft_model=draft_dir if kind == "draft-model" else None)
+                draft_model=draft_dir if kind == "draft_model" else None)
             for name, policy in policies(kind).items():
                 generator.policy = policy
                 results[f"{algo}/{kind}/{name}"] = generator.generate_batch(PROMPTS, NEW)
@@ -88,7 +88,7 @@ def test_batch_rows_equal_their_batch_1_greedy(tp, pp, tmp_path):
             for row, greedy, wrong in zip(results[f"{algo}/{name}"], results[algo], WRONG_AT):
                 assert row.tokens == greedy[:NEW], (algo, name)
                 assert row.accepted == expected_accepts(K, NEW, wrong), (algo, name)
-    draft_model = results["eagle3/draft-model/fixed"]  # a real draft: ragged acceptance too
+    draft_model = results["eagle3/draft_model/fixed"]  # a real draft: ragged acceptance too
     assert len({tuple(r.accepted) for r in draft_model}) > 1
 
 

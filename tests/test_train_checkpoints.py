@@ -109,12 +109,12 @@ def test_no_resume_refuses_existing_checkpoints(trained):
 def test_checkpoint_of_another_draft_refused_by_key(trained):
     from types import SimpleNamespace
 
-    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec import registry
     from megatron_specdec.checkpointing.checkpoint import read_meta
 
     path = checkpoints.step_dir(trained[3] / "checkpoints", 2)
     meta = read_meta(path)
-    saved = spec_config.from_dict(meta["training_checkpoint"]["draft"])
+    saved = registry.config_from_dict(meta["training_checkpoint"]["draft"])
     hf = meta["hf_config"]
     model = SimpleNamespace(spec_config=saved, vocab_size=hf["vocab_size"],
                             config=SimpleNamespace(hidden_size=hf["hidden_size"],
@@ -122,7 +122,7 @@ def test_checkpoint_of_another_draft_refused_by_key(trained):
     checkpoints.check_compatible(path, meta, model)
     saved.ttt_steps += 1  # may change on resume
     checkpoints.check_compatible(path, meta, model)
-    model.spec_config = spec_config.parse("eagle3", {"draft_vocab_size": 128},
+    model.spec_config = registry.parse_config("eagle3", {"draft_vocab_size": 128},
                                           hf["num_hidden_layers"], hf["vocab_size"])
     with pytest.raises(CheckpointError, match="draft_vocab_size, padded_draft_vocab_size"):
         checkpoints.check_compatible(path, meta, model)

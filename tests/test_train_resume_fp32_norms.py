@@ -14,7 +14,7 @@ HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_va
 def test_fp32_parameters_saved_without_masters_resume_exactly(one_process, tmp_path):
     from transformers import LlamaConfig
 
-    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec import registry
     from megatron_specdec.loading.hf_conversion import base_meta
     from megatron_specdec.models.provider import build_model
     from megatron_specdec.models.speculative import convert
@@ -35,7 +35,7 @@ def test_fp32_parameters_saved_without_masters_resume_exactly(one_process, tmp_p
     cfg = OptimizerConfig()
     fingerprint = base_fingerprint.fingerprint(model.base, config.to_dict(), "bfloat16")
     meta = dict(base_meta(config, base, torch.bfloat16, "local"),
-                training_checkpoint={"draft": spec_config.to_dict(model.spec_config),
+                training_checkpoint={"draft": registry.config_to_dict(model.spec_config),
                                      "base_model": "tiny", "base": fingerprint})
     path = checkpoints.save(tmp_path, 1, model, DraftOptimizer(
         model.trainable_parameters(), cfg, torch.bfloat16), checkpoints.TrainerState(step=1),

@@ -281,9 +281,9 @@ def key_rows(cls, prefix: str = "", meanings_under: str = "") -> list:
 
 def draft_sections() -> dict:
     """{algo: its config dataclass}: the keys `draft.config` takes for each algorithm."""
-    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec import registry
 
-    return dict(spec_config._CLASSES)
+    return {name: registry.get(name).config_class for name in registry.trainable()}
 
 
 def recipes_markdown() -> str:

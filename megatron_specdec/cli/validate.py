@@ -4,7 +4,7 @@
         --data data/sources/mt_bench.jsonl --out runs/validate \\
         [--num-prompts 8] [--max-new-tokens 128] [--num-draft-tokens 7] [--tp 2] [--pp 1]
         [--tree-top-k 4 [--tree-max-nodes 32]]
-        [--drafter eagle3|medusa|ngram|draft-model [--draft-model DRAFT_CKPT]]
+        [--drafter eagle3|medusa|ngram|draft_model [--draft-model DRAFT_CKPT]]
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
         [--acceptance typical [--typical-eps 0.09] [--typical-alpha 0.3]] [--batch-size 4]
 
@@ -58,13 +58,13 @@ def build_parser():
 def add_drafting_args(p):
     """--drafter and --draft-policy, shared with bench/bench_generation.py."""
     from megatron_specdec.inference.draft_policy import POLICIES
-    from megatron_specdec.inference.generator import DRAFTERS
+    from megatron_specdec.inference.generator import drafters
     from megatron_specdec.inference.sampling import ACCEPTANCE, TypicalAcceptance
 
-    p.add_argument("--drafter", choices=DRAFTERS, default=None,
+    p.add_argument("--drafter", choices=drafters(), default=None,
                    help="who drafts (default: the checkpoint's draft module; ngram needs none)")
     p.add_argument("--draft-model", default=None,
-                   help="--drafter draft-model: a GPT checkpoint of the target's vocabulary")
+                   help="--drafter draft_model: a GPT checkpoint of the target's vocabulary")
     p.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="adaptive: draft while the draft is confident (default); fixed: always k")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -105,11 +105,15 @@ def typical_of(args):
 
 
 def check_draft_model_args(args, vocab_size: int, tokenizer_dir):
-    """--draft-model goes with --drafter draft-model, and its vocabulary is the target's
-    (`vocab_size`, `tokenizer_dir`): checked before any rank starts."""
-    if (args.drafter == "draft-model") != (args.draft_model is not None):
-        raise ValueError("--drafter draft-model needs --draft-model PATH, and --draft-model "
-                         "needs --drafter draft-model")
+    """--draft-model goes with a --drafter that reads a draft checkpoint (draft_model), and
+    its vocabulary is the target's (`vocab_size`, `tokenizer_dir`): checked before any rank
+    starts."""
+    from megatron_specdec import registry
+
+    needs = args.drafter is not None and registry.get(args.drafter).needs_draft_checkpoint
+    if needs != (args.draft_model is not None):
+        raise ValueError("--drafter draft_model needs --draft-model PATH, and --draft-model "
+                         "needs --drafter draft_model")
     if args.draft_model is not None:
         from megatron_specdec.methods.draft_model.proposer import check_draft_checkpoint
 

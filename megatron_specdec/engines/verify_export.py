@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from megatron_specdec import registry
 from megatron_specdec.engines import vllm_client as vllm
 
 log = logging.getLogger(__name__)
@@ -42,22 +43,15 @@ class Verification:
 
 
 def check_files(draft_dir, base_dir):
-    """The import's checks on the exported files against the HF base: returns the draft's
-    Eagle3Config, or raises naming the file, tensor or key at fault."""
-    from transformers import AutoConfig
-
-    from megatron_specdec.methods.eagle3 import hf_import as draft_import
+    """The EAGLE3 import's checks on the exported files against the HF base (the method's
+    check_export hook): returns the draft's config, or raises naming the file, tensor or key
+    at fault."""
     from megatron_specdec.checkpointing.hf_mapping import WeightMappingError
 
-    base = AutoConfig.from_pretrained(base_dir)
-    config, tensors = draft_import.read_hf_draft(draft_dir)
     try:
-        draft_import.check_fits(config, base)
-        cfg = draft_import.draft_config(config, tensors, base)
-        draft_import.check_tensors(config, cfg, tensors, draft_dir)
+        return registry.get("eagle3").check_export(draft_dir, base_dir)
     except (ValueError, WeightMappingError) as e:
         raise VerificationError(f"{draft_dir}: {e}") from None
-    return cfg
 
 
 def chat_prompts(base_dir, questions=PROMPTS) -> List[List[int]]:

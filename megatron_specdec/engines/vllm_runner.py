@@ -85,17 +85,20 @@ def run_one(request: dict, run: dict) -> dict:
             "tokens_per_s": tokens / seconds, **stats}
 
 
-def _method(run: dict):
-    return (run.get("speculative_config") or {}).get("method")
+def _reads_no_draft(run: dict) -> bool:
+    """A speculative run with no draft model (prompt lookup)."""
+    config = run.get("speculative_config")
+    return config is not None and "model" not in config
 
 
 def main(request_file: str, out_file: str) -> int:
     with open(request_file) as f:
         request = json.load(f)
     results = {}
-    # n-gram engines last: once the n-gram proposer's imports are loaded, vLLM 0.32's kernel
-    # override scan (triton_utils/dispatcher.py:139) fails building any EAGLE3 engine after it.
-    for run in sorted(request["runs"], key=lambda r: _method(r) == "ngram"):
+    # n-gram (no draft model) engines last: once the n-gram proposer's imports are loaded,
+    # vLLM 0.32's kernel override scan (triton_utils/dispatcher.py:139) fails building any
+    # EAGLE3 engine after it.
+    for run in sorted(request["runs"], key=_reads_no_draft):
         try:
             results[run["name"]] = run_one(request, run)
         except Exception as e:  # reported per run: a broken draft must not hide the others

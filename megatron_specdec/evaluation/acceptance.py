@@ -76,10 +76,10 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                         policy="adaptive", sampling=None, draft_model=None, batch_size=1,
                         typical=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
-    `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram or
-    draft-model (default: the model's own draft module; `draft_model`: the draft GPT
-    checkpoint of draft-model); `policy`: adaptive or fixed draft length;
-    `sampling`: a decoding.sampling.Sampling (the batch from prompt i on uses seed + i; the
+    `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram,
+    draft_model, ... (registry names; default: the model's own draft module; `draft_model`: the
+    draft GPT checkpoint of the draft_model method); `policy`: adaptive or fixed draft length;
+    `sampling`: an inference.sampling.Sampling (the batch from prompt i on uses seed + i; the
     baseline is then plain sampling, and outputs are not compared); `batch_size`: prompts
     per batch; `typical`: a sampling.TypicalAcceptance (Medusa, lossy) instead of rejection
     sampling.

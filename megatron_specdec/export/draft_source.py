@@ -8,8 +8,8 @@ HF pieces at a time.
 
 from dataclasses import dataclass
 
+from megatron_specdec import registry
 from megatron_specdec.checkpointing import checkpoint
-from megatron_specdec.methods import config as spec_config
 from megatron_specdec.checkpointing import hf_files as files, hf_mapping as mapping
 
 
@@ -17,7 +17,7 @@ from megatron_specdec.checkpointing import hf_files as files, hf_mapping as mapp
 class DraftSource:
     meta: dict
     hf_config: object  # the base's transformers config
-    cfg: object  # spec_config.Eagle3Config or MedusaConfig
+    cfg: object  # the method's config (registry.config_from_dict)
     tensors: object  # files.CheckpointTensors: global tensors by name relative to the module
 
 
@@ -38,8 +38,8 @@ def read_draft(ckpt_dir, algo: str) -> DraftSource:
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} holds no draft module (a base checkpoint): add one with "
             f"checkpoint_tools/convert_speculative.py and train it before exporting")
-    cfg = spec_config.from_dict(meta["draft"])
-    if cfg.algo != algo:
+    cfg = registry.config_from_dict(meta["draft"])
+    if registry.get(cfg.algo) is not registry.get(algo):
         raise checkpoint.CheckpointError(
             f"{ckpt_dir} holds a {cfg.algo} draft module, not {algo}")
     tensors = files.CheckpointTensors(ckpt_dir, prefix=f"{algo}.")

@@ -1,7 +1,7 @@
 """Base model + draft module in one directory an engine can be pointed at:
 
     out/base/     the base model (hf_conversion.megatron_to_hf) with model.safetensors.index.json
-    out/eagle3/   or out/medusa/: the draft (eagle3_hf / medusa_hf)
+    out/<algo>/   the draft (its method's export_hf hook, e.g. methods/eagle3/hf_export.py)
 
 e.g. `vllm serve out/base --speculative-config '{"method": "eagle3", "model": "out/eagle3"}'`,
 `sglang ... --model out/base --speculative-draft-model-path out/eagle3`. The index is written
@@ -11,13 +11,11 @@ because the EAGLE reference runtime finds the base embedding through it.
 import shutil
 from pathlib import Path
 
+from megatron_specdec import registry
 from megatron_specdec.checkpointing import checkpoint
 from megatron_specdec.loading import hf_conversion
-from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
-from megatron_specdec.methods.medusa import hf_export as medusa_hf
 
 BASE_DIR = "base"
-_EXPORTERS = {"eagle3": eagle3_hf.export_eagle3, "medusa": medusa_hf.export_medusa}
 
 
 def export_full(ckpt_dir, out_dir, overwrite=False):
@@ -31,9 +29,12 @@ def export_full(ckpt_dir, out_dir, overwrite=False):
             f"{ckpt_dir} holds no draft module (a base checkpoint): add one with "
             f"checkpoint_tools/convert_speculative.py and train it before exporting")
     algo = meta["draft"]["algo"]
+    export_hf = registry.get(algo).export_hf
+    if export_hf is None:
+        raise checkpoint.CheckpointError(f"{ckpt_dir}: a {algo} draft has no HF export")
     tmp = checkpoint.atomic_dir(out_dir)
     try:
-        _EXPORTERS[algo](ckpt_dir, tmp / algo)
+        export_hf(ckpt_dir, tmp / algo)
         hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR, index=True)
         checkpoint.commit_dir(tmp, out_dir, linked=False)
     finally:

@@ -65,7 +65,8 @@ class BaseRunner:
         base = model.base
         self.aux_ids = list(model.aux_layer_ids)
         self.stage = StageRunner(base, batch_size, max_length, model.vocab_size,
-                                 capture_ids=self.aux_ids, capture_final=model.algo == "medusa")
+                                 capture_ids=self.aux_ids,
+                                 capture_final=model.method.captures_final)
         pp_group = ps.get_pipeline_model_parallel_group()
         owned = [layer.layer_number - 1 for layer in base.decoder.layers]
         per_stage = [None] * dist.get_world_size(pp_group)

@@ -16,7 +16,7 @@ later rounds compute the unfinished rows only. Drafters: EAGLE3,
 Medusa, or prompt lookup (n-gram). The emitted sequence is the base's own greedy
 continuation, so it matches generation.plain_generate token for token (up to float ties
 between a k+1-token and a 1-token forward). A separate GPT of the target's vocabulary can
-draft instead (`drafter_kind="draft-model"`, draft_model_drafter.py).
+draft instead (`drafter_kind="draft_model"`, methods/draft_model/proposer.py).
 
 With `tree=TreeSpec(top_k, max_nodes)` the last stage drafts a tree of depth k per row
 instead (tree.py; the drafters grow one row's tree at a time), all stages verify every row's
@@ -29,23 +29,20 @@ lengths, as with chains. Sampled trees are lossless: one-hot (greedy) trees, or 
 probabilities trees whose siblings are i.i.d. draws from their parent's distribution
 (tree.sample_tree: the contract of acceptance.tree_verify).
 
-Drafter interface (last stage): `start(prompt [b, P] left-padded, lengths [b], pending
-[b, 1], prefill states, max_length)`; `propose(k, policy)` -> drafts [b, n], counts [b]
-(`propose_sampled` adds their distributions); `propose_tree(k, spec, floor, row)` ->
-DraftTree (`propose_tree_sampled` adds the nodes' distributions); `accept(tokens [b, s],
-counts [b], states)`:
-the tokens each row kept since the drafter last read, left-padded (the last counts[b] of
-row b are real), with the base states at the same positions.
+The drafter is the draft method's proposer (registry.get(name).proposer), typed by the
+registry's Proposer protocols: Proposer (start, propose, accept, keep_rows), SampledProposer
+(propose_sampled: drafts with their distributions), TreeProposer and SampledTreeProposer.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import time
 from functools import partial
 
 import torch
 
+from megatron_specdec import registry
 from megatron_specdec.acceptance import (
     greedy_chain_verify,
     stochastic_chain_verify,
@@ -74,74 +71,76 @@ class GenerationResult:
     batch_rows: List[int] = field(default_factory=list)
 
 
+@dataclass
+class _Call:
+    """One generate_batch call's state (the generator itself keeps only its settings, so it
+    serves calls one after another, each starting clean): sampling settings and their
+    generator, the wall-clock split, the rounds the drafter has not read yet, the draft
+    policy's backoff, and the last drafts' distributions."""
+    sampling: Optional[Sampling]
+    rng: Optional[torch.Generator]
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"draft": 0.0, "base": 0.0, "total": 0.0})
+    unread: list = field(default_factory=list)
+    skip: int = 0
+    backoff: int = 0
+    draft_probs: object = None
+
+    def clock(self, part: str, fn, *args):
+        """fn(*args), its wall time added to `seconds[part]`."""
+        start = time.perf_counter()
+        value = fn(*args)
+        self.seconds[part] += time.perf_counter() - start
+        return value
+
+
 def default_num_draft_tokens(model) -> int:
-    cfg = model.spec_config
-    return cfg.ttt_steps if model.algo == "eagle3" else cfg.medusa_num_heads
+    return registry.get(model.algo).default_num_draft_tokens(model.spec_config)
 
 
-DRAFTERS = ("eagle3", "medusa", "ngram", "draft-model")
+def drafters() -> tuple:
+    """The methods that can draft (registry names with a proposer)."""
+    return tuple(n for n in registry.names() if registry.get(n).proposer is not None)
 
 
-def check_drafter_kind(model, kind: str = None) -> str:
-    """`kind`, or the model's own draft module when None, if this model can draft with it."""
+def check_drafter_kind(model, kind: str = None) -> registry.DraftMethod:
+    """The method `kind` names, or the model's own draft module's when None, if this model
+    can draft with it."""
     kind = kind or model.algo
-    if kind not in DRAFTERS:
-        raise ValueError(f"drafter {kind!r}; expected one of {DRAFTERS}")
-    if kind not in ("ngram", "draft-model") and kind != model.algo:
+    if kind not in drafters():
+        raise ValueError(f"drafter {kind!r}; expected one of {drafters()}")
+    method = registry.get(kind)
+    if method.needs_module and method is not model.method:
         raise ValueError(f"drafter {kind!r} needs a model whose draft module is {kind}; "
                          f"this one's is {model.algo}")
-    return kind
+    return method
 
 
 def build_drafter(model, kind: str = None, draft_model=None):
     """This stage's drafter of `kind` (default: the model's own draft module; None before the
-    last stage); `draft_model`: the draft checkpoint of kind draft-model. Collective over the
-    pipeline (over the world for a draft model)."""
-    from megatron.core import parallel_state as ps
-
-    kind = check_drafter_kind(model, kind)
-    if (kind == "draft-model") != (draft_model is not None):
-        raise ValueError("--draft-model goes with --drafter draft-model, and it needs one")
-    if kind == "draft-model":
-        from megatron_specdec.methods.draft_model.proposer import (
-            DraftModelDrafter,
-            load_draft_model,
-        )
-
-        # In the target's dtype, as vLLM runs a draft model (a bf16 draft beside an fp32
-        # target runs the slower bf16 kernels on the 2-core CPU: a SmolLM2 step 52 ms vs 39).
-        draft = load_draft_model(draft_model, model.vocab_size,
-                                 dtype=model.base.config.params_dtype)
-        return DraftModelDrafter(draft, model.vocab_size) if ps.is_pipeline_last_stage() else None
-    if kind == "ngram":
-        from megatron_specdec.methods.ngram.proposer import NgramDrafter
-
-        return NgramDrafter() if ps.is_pipeline_last_stage() else None
-    if kind == "medusa":
-        if not ps.is_pipeline_last_stage():
-            return None
-        from megatron_specdec.methods.medusa.proposer import MedusaDrafter
-
-        return MedusaDrafter(model)
-    from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
-    from megatron_specdec.inference.embedding import last_stage_embedding
-
-    embedding = last_stage_embedding(model)
-    return Eagle3Drafter(model, embedding) if ps.is_pipeline_last_stage() else None
+    last stage); `draft_model`: the draft checkpoint a method that needs one reads.
+    Collective over the pipeline (over the world for a draft model)."""
+    method = check_drafter_kind(model, kind)
+    if method.needs_draft_checkpoint != (draft_model is not None):
+        raise ValueError(f"--draft-model goes with a drafter that reads a draft checkpoint "
+                         f"(draft_model), and it needs one; drafter {method.name!r}")
+    return method.proposer(model, registry.ProposerOptions(draft_model=draft_model))
 
 
 def draft_vocab_size(model) -> int:
-    return model.vocab_size if model.algo == "medusa" else model.spec_config.draft_vocab_size
+    return registry.get(model.algo).draft_vocab_size(model)
 
 
 class SpeculativeGenerator:
-    """Build once per model (the EAGLE3 embedding replica is loaded here), then `generate`.
-    `tree`: draft a tree of depth num_draft_tokens with this branching instead of a chain.
-    `policy`: "adaptive" (draft while confident, default) or "fixed" (always k), or a
-    DraftPolicy. `drafter_kind`: eagle3, medusa, ngram or draft-model (default: the model's
-    module); `draft_model`: the draft-model checkpoint. `typical`: verify sampled Medusa
-    chains with typical acceptance (sampling.TypicalAcceptance: lossy) instead of rejection
-    sampling."""
+    """Build once per model (the drafter, e.g. EAGLE3's embedding replica, is made here), then
+    `generate`. `tree`: draft a tree of depth num_draft_tokens with this branching instead of
+    a chain. `policy`: "adaptive" (draft while confident, default) or "fixed" (always k), or a
+    DraftPolicy. `drafter_kind`: a registry method that drafts (registry names: eagle3,
+    medusa, ngram, draft_model, ...; default: the model's module); `draft_model`: the draft
+    checkpoint of a method that needs one. `typical`: verify sampled chains of a method that
+    allows it (Medusa) with typical acceptance (sampling.TypicalAcceptance: lossy) instead of
+    rejection sampling. Calls run one after another; each starts from a clean state (the
+    drafter restarts per call)."""
 
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
                  tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None,
@@ -149,22 +148,21 @@ class SpeculativeGenerator:
         self.model = model
         self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
                   else num_draft_tokens)
-        if check_drafter_kind(model, drafter_kind) == "medusa" and \
-                self.k > model.spec_config.medusa_num_heads:
-            raise ValueError(f"num_draft_tokens {self.k} exceeds the "
-                             f"{model.spec_config.medusa_num_heads} Medusa heads")
+        method = check_drafter_kind(model, drafter_kind)
+        if method.check_num_draft_tokens is not None:
+            method.check_num_draft_tokens(model.spec_config, self.k)
         self.policy = policy if isinstance(policy, DraftPolicy) else \
             DraftPolicy.named(policy, self.k)
         if tree is not None:
-            if drafter_kind in ("ngram", "draft-model"):
-                raise ValueError(f"the {drafter_kind} drafter drafts chains, not trees")
+            if not method.drafts_trees:
+                raise ValueError(f"the {method.name} drafter drafts chains, not trees")
             tree.check(self.k, draft_vocab_size(model))
         self.tree = tree
         if typical is not None:
-            kind = check_drafter_kind(model, drafter_kind)
-            if kind != "medusa":
+            if not method.typical_acceptance:
                 raise ValueError(f"typical acceptance is Medusa's (a chain of heads' top "
-                                 f"tokens); drafter {kind!r} verifies by rejection sampling")
+                                 f"tokens); drafter {method.name!r} verifies by rejection "
+                                 f"sampling")
             if tree is not None:
                 raise ValueError("typical acceptance verifies chains; drop the tree")
         self.typical = typical
@@ -189,23 +187,26 @@ class SpeculativeGenerator:
         from megatron_specdec.inference.generation import left_pad
 
         tokens, lengths = left_pad(prompts, 0, device())  # names an empty prompt
-        batch = tokens.shape[0]
         sampling = sampling if sampling is not None and not sampling.greedy else None
         if self.typical is not None and (sampling is None or sampling.top_k
                                          or sampling.top_p < 1):
             raise ValueError("typical acceptance needs a sampling temperature > 0 and no "
                              "top_k/top_p (it reads the target at the temperature only)")
-        self._sampling = sampling
-        self._rng = None if sampling is None else sampling.generator(device())
+        call = _Call(sampling, None if sampling is None else sampling.generator(device()))
         started = time.perf_counter()
-        k, drafter = self.k, self.drafter
-        eos = set(int(e) for e in eos_ids)
-        self._seconds = {"draft": 0.0, "base": 0.0, "total": 0.0}
         batch_rows = []
-        results = [GenerationResult([], [], k, seconds=self._seconds, batch_rows=batch_rows)
-                   for _ in range(batch)]
-        done = [max_new_tokens <= 0] * batch
-        clock = self._clock
+        results = [GenerationResult([], [], self.k, seconds=call.seconds, batch_rows=batch_rows)
+                   for _ in range(tokens.shape[0])]
+        if max_new_tokens > 0:
+            self._rounds(call, tokens, lengths, max_new_tokens, set(int(e) for e in eos_ids),
+                         results)
+        call.seconds["total"] = time.perf_counter() - started
+        return results
+
+    def _rounds(self, call: _Call, tokens, lengths, max_new_tokens: int, eos: set, results):
+        """Prefill, then draft-and-verify rounds until every row is done; fills `results`."""
+        k, batch = self.k, tokens.shape[0]
+        done = [False] * batch
         index = list(range(batch))  # the result each row of the computed batch feeds
 
         def emit(new, counts):
@@ -221,45 +222,30 @@ class SpeculativeGenerator:
                         done[row] = True
                         break
 
-        def finish() -> List[GenerationResult]:
-            self._seconds["total"] = time.perf_counter() - started
-            return results
-
-        if all(done):
-            return finish()
         width = k if self.tree is None else self.tree.num_nodes(k)
         # A row holds at most prompt + max_new_tokens + k real tokens; a forward writes up to
         # width + 1 (or a drafter's catch-up of up to k + 1 + max_backoff) slots past them.
         max_length = (tokens.shape[1] + max_new_tokens + 2 * (width + 1)
                       + self.policy.max_backoff)
         runner = BaseRunner(self.model, batch, max_length)
-        out = clock("base", partial(runner.step, last_only=True, counts=lengths), tokens)
-        pending = torch.zeros(batch, 1, dtype=torch.long, device=tokens.device)
-        if runner.last:
-            last = out.logits[:, -1]
-            # Typical acceptance emits the target's argmax after the drafts, as here.
-            pending[:, 0] = last.argmax(-1) if sampling is None or self.typical else \
-                sampling.sample(last, self._rng)
-            clock("draft", drafter.start, tokens, lengths, pending, out, max_length)
-        runner.broadcast_from_last(pending)
+        pending = self._prefill(call, runner, tokens, lengths, max_length)
         emit(pending.tolist(), [1] * batch)
         verify = self._verify_chain if self.tree is None else self._verify_tree
-        self._unread, self._skip, self._backoff = [], 0, 0
         while True:
             # Finished rows leave the batch: later rounds compute the others only.
             live = [row for row, i in enumerate(index) if not done[i]]
             if not live:
-                return finish()
+                return
             if len(live) < len(index):
                 rows = torch.tensor(live)
                 runner.keep_rows(rows)
                 pending = pending[rows.to(pending.device)]
                 if runner.last:
-                    self._keep_rows(rows)
+                    self._keep_rows(call, rows)
                 index = [index[row] for row in live]
             start = runner.lengths.clone()
-            accepted, drafted, new, out = verify(runner, pending)
-            batch_rows.append(len(index))
+            accepted, drafted, new, out = verify(call, runner, pending)
+            results[0].batch_rows.append(len(index))
             for row, a, d in zip(index, accepted.tolist(), drafted.tolist()):
                 results[row].accepted.append(a)
                 results[row].drafted.append(d)
@@ -267,62 +253,70 @@ class SpeculativeGenerator:
             runner.rewind(runner.lengths - start - kept.cpu())
             emit(new.tolist(), kept.tolist())
             if runner.last:
-                self._unread.append((new, kept, out))
+                call.unread.append((new, kept, out))
             pending = new.gather(1, accepted[:, None])
 
-    def _keep_rows(self, rows):
+    def _prefill(self, call: _Call, runner, tokens, lengths, max_length: int):
+        """The prompts through the base, the first token of each row (on every rank), and the
+        drafter started on the prefill's states (last stage)."""
+        out = call.clock("base", partial(runner.step, last_only=True, counts=lengths), tokens)
+        pending = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
+        if runner.last:
+            last = out.logits[:, -1]
+            # Typical acceptance emits the target's argmax after the drafts, as here.
+            pending[:, 0] = last.argmax(-1) if call.sampling is None or self.typical else \
+                call.sampling.sample(last, call.rng)
+            call.clock("draft", self.drafter.start, tokens, lengths, pending, out, max_length)
+        runner.broadcast_from_last(pending)
+        return pending
+
+    def _keep_rows(self, call: _Call, rows):
         """The last stage's drafter and unread rounds keep the batch rows `rows` only."""
         self.drafter.keep_rows(rows)
-        self._unread = [(new.index_select(0, rows.to(new.device)),
+        call.unread = [(new.index_select(0, rows.to(new.device)),
                          kept.index_select(0, rows.to(kept.device)), out.rows(rows))
-                        for new, kept, out in self._unread]
+                        for new, kept, out in call.unread]
 
-    def _draft(self, k: int):
+    def _draft(self, call: _Call, k: int):
         """The last stage's drafts [b, n] and per-row counts [b] for this round: none while
         sitting out a backoff (draft_policy.py); otherwise the drafter first reads the base
         states it has not seen. Sampled drafts leave their distributions in `_draft_probs`
         for `_accept`."""
-        self._draft_probs = None
-        if self._skip:
-            self._skip -= 1
-            batch = self._unread[0][0].shape[0]
-            none = torch.zeros(batch, 0, dtype=torch.long, device=self._unread[0][0].device)
+        call.draft_probs = None
+        if call.skip:
+            call.skip -= 1
+            batch = call.unread[0][0].shape[0]
+            none = torch.zeros(batch, 0, dtype=torch.long, device=call.unread[0][0].device)
             return none, none.new_zeros(batch)
-        self._catch_up()
-        s = self._sampling
-        if s is not None and not s.one_hot_drafts and hasattr(self.drafter, "propose_sampled"):
-            drafts, counts, self._draft_probs = self._clock(
-                "draft", self.drafter.propose_sampled, k, self.policy, s, self._rng)
+        self._catch_up(call)
+        s = call.sampling
+        if s is not None and not s.one_hot_drafts and isinstance(self.drafter,
+                                                                  registry.SampledProposer):
+            drafts, counts, call.draft_probs = call.clock(
+                "draft", self.drafter.propose_sampled, k, self.policy, s, call.rng)
         else:
-            drafts, counts = self._clock("draft", self.drafter.propose, k, self.policy)
+            drafts, counts = call.clock("draft", self.drafter.propose, k, self.policy)
         if not getattr(self.drafter, "free_to_probe", False):
-            self._backoff = self._skip = self.policy.next_backoff(self._backoff,
+            call.backoff = call.skip = self.policy.next_backoff(call.backoff,
                                                                   drafts.shape[1])
         return drafts, counts
 
-    def _catch_up(self):
+    def _catch_up(self, call: _Call):
         """The drafter reads the kept tokens and base states of the rounds it has not seen,
         in one call: per row, its kept positions of every round moved to the end (stable, so
         in order), the rest in front as padding."""
-        if self._unread:
-            tokens = torch.cat([t for t, _, _ in self._unread], dim=1)
+        if call.unread:
+            tokens = torch.cat([t for t, _, _ in call.unread], dim=1)
             kept = torch.cat([torch.arange(t.shape[1], device=t.device) < c[:, None]
-                              for t, c, _ in self._unread], dim=1)
+                              for t, c, _ in call.unread], dim=1)
             order = kept.long().argsort(dim=1, stable=True)
-            states = BaseOutput.cat([o for _, _, o in self._unread]).take(order)
+            states = BaseOutput.cat([o for _, _, o in call.unread]).take(order)
             # Rejected positions hold -1: padding needs a valid id.
-            self._clock("draft", self.drafter.accept, tokens.gather(1, order).clamp_min(0),
+            call.clock("draft", self.drafter.accept, tokens.gather(1, order).clamp_min(0),
                         kept.sum(1), states)
-            self._unread = []
+            call.unread = []
 
-    def _clock(self, part: str, fn, *args):
-        """fn(*args), its wall time added to the current batch's `seconds[part]`."""
-        start = time.perf_counter()
-        value = fn(*args)
-        self._seconds[part] += time.perf_counter() - start
-        return value
-
-    def _verify_chain(self, runner, pending):
+    def _verify_chain(self, call: _Call, runner, pending):
         """One round: each row drafts up to k, all verify in one forward. Returns
         (accepted [b], drafted [b], the verdict [b, n + 1]: row b's emitted tokens first,
         then -1, and the base states of the n + 1 positions (last stage)). The caller
@@ -330,73 +324,73 @@ class SpeculativeGenerator:
         k, batch = self.k, pending.shape[0]
         proposal = torch.zeros(batch, k + 1, dtype=torch.long, device=pending.device)
         if runner.last:  # the drafts, then their counts: one broadcast
-            drafts, counts = self._draft(k)
+            drafts, counts = self._draft(call, k)
             proposal[:, : drafts.shape[1]] = drafts
             proposal[:, k] = counts
         runner.broadcast_from_last(proposal)
         counts = proposal[:, k]
         n = int(counts.max())
         drafts = proposal[:, :n]
-        out = self._clock("base", runner.step, torch.cat([pending, drafts], dim=1))
+        out = call.clock("base", runner.step, torch.cat([pending, drafts], dim=1))
         verdict = torch.zeros(batch, n + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            verdict[:, : n + 1], verdict[:, -1] = self._accept(drafts, counts, out.logits)
+            verdict[:, : n + 1], verdict[:, -1] = self._accept(call, drafts, counts, out.logits)
         runner.broadcast_from_last(verdict)
         return verdict[:, -1], counts, verdict[:, : n + 1], out
 
-    def _accept(self, drafts, counts, logits):
+    def _accept(self, call: _Call, drafts, counts, logits):
         """(emitted tokens [b, n + 1] padded with -1, accepted counts [b]) of a chain of
         counts[b] drafts per row."""
-        if self._sampling is None:
+        if call.sampling is None:
             return greedy_chain_verify(drafts, logits.argmax(-1), counts)
-        s = self._sampling
+        s = call.sampling
         if self.typical is not None:
             return typical_verify(drafts, logits, counts, temperature=s.temperature,
                                   eps=self.typical.eps, alpha=self.typical.alpha)
-        probs = self._draft_probs
+        probs = call.draft_probs
         if probs is not None:
             probs = probs[:, : drafts.shape[1]] if drafts.shape[1] else None
         return stochastic_chain_verify(drafts, logits, counts, draft_probs=probs,
                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                       generator=self._rng)
+                                       generator=call.rng)
 
-    def _propose_trees(self, k: int, batch: int):
+    def _propose_trees(self, call: _Call, k: int, batch: int):
         """The last stage's draft tree of each row: sampled from the draft's distribution
         when sampling with a drafter that has one (the nodes' distributions left in
         `_draft_probs`, per row), otherwise the greedy tree (one-hot drafts: lossless too,
         tree.py)."""
-        s, floor = self._sampling, self.policy.tree_floor
-        sampled = s is not None and not s.one_hot_drafts and hasattr(self.drafter,
-                                                                     "propose_tree_sampled")
-        trees, self._draft_probs = [], [] if sampled else None
+        s, floor = call.sampling, self.policy.tree_floor
+        sampled = s is not None and not s.one_hot_drafts and isinstance(
+            self.drafter, registry.SampledTreeProposer)
+        trees, call.draft_probs = [], [] if sampled else None
         for row in range(batch):
             if sampled:
                 tree, probs = self.drafter.propose_tree_sampled(k, self.tree, floor, s,
-                                                                self._rng, row)
+                                                                call.rng, row)
                 trees.append(tree)
-                self._draft_probs.append(probs)
+                call.draft_probs.append(probs)
             else:
                 trees.append(self.drafter.propose_tree(k, self.tree, floor, row))
         return trees
 
-    def _accept_tree(self, tokens, parents, logits, sizes):
+    def _accept_tree(self, call: _Call, tokens, parents, logits, sizes):
         """tree_verify over one tree per row ([b, m], sizes[b] nodes each): greedy, or
         recursive rejection sampling over siblings (against the nodes' draft
         distributions, or one-hot). Width: tokens [b, d + 1], path [b, d], d = min(k, m)."""
-        s, depth = self._sampling, min(self.k, tokens.shape[1])
+        s, depth = call.sampling, min(self.k, tokens.shape[1])
         if s is None:
             return tree_verify(tokens, parents, logits, sizes, max_depth=depth)
         probs = None
-        if self._draft_probs is not None and tokens.shape[1]:
+        if call.draft_probs is not None and tokens.shape[1]:
             vocab = logits.shape[-1]
             probs = logits.new_zeros(tokens.shape + (vocab,), dtype=torch.float64)
-            for row, q in enumerate(self._draft_probs):
+            for row, q in enumerate(call.draft_probs):
                 probs[row, : q.shape[0]] = q
         return tree_verify(tokens, parents, logits, sizes, draft_probs=probs,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           max_depth=depth, generator=self._rng)
+                           max_depth=depth, generator=call.rng)
 
-    def _verify_tree(self, runner, pending):
+    def _verify_tree(self, call: _Call, runner, pending):
         """The same round over a draft tree per row of up to n nodes (none: a plain
         step), all rows in one forward, each tree after its own row's cache; every row's
         accepted path's cache entries are compacted after its pending token, so the verdict
@@ -407,8 +401,8 @@ class SpeculativeGenerator:
         tree = torch.zeros(batch, 2, n + 1, dtype=torch.long, device=pending.device)
         tree[:, 1, :n] = -1
         if runner.last:
-            self._catch_up()
-            trees = self._clock("draft", self._propose_trees, k, batch)
+            self._catch_up(call)
+            trees = call.clock("draft", self._propose_trees, call, k, batch)
             for row, drafted in enumerate(trees):
                 m = drafted.tokens.numel()
                 tree[row, 0, :m], tree[row, 1, :m] = drafted.tokens, drafted.parents
@@ -420,11 +414,11 @@ class SpeculativeGenerator:
         tokens, parents = tree[:, 0, :m], tree[:, 1, :m]
         start = runner.lengths.clone()  # each row's pending slot
         positions, mask = verify_layout(parents, start)
-        out = self._clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
+        out = call.clock("base", runner.step, torch.cat([pending, tokens], dim=1), positions,
                           mask)
         verdict = torch.zeros(batch, 2 * k + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            emitted, counts, path = self._accept_tree(tokens, parents, out.logits, sizes)
+            emitted, counts, path = self._accept_tree(call, tokens, parents, out.logits, sizes)
             d = path.shape[1]
             verdict[:, : d + 1], verdict[:, k + 1: k + 1 + d] = emitted, path
             verdict[:, -1] = counts

@@ -40,7 +40,7 @@ class Source:
 
     @property
     def draft(self) -> Optional[dict]:
-        """The stored draft entry (spec_config.to_dict) of a speculative checkpoint."""
+        """The stored draft entry (registry.config_to_dict) of a speculative checkpoint."""
         return (self.meta or {}).get("draft")
 
     @property

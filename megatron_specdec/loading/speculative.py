@@ -1,15 +1,15 @@
 """Speculative checkpoints (base + draft module in one dist checkpoint): rebuild one at the
 current TP/PP, save one, and save what a training run leaves."""
 
+from megatron_specdec import registry
 from megatron_specdec.checkpointing import checkpoint
-from megatron_specdec.methods import config as spec_config
 from megatron_specdec.models.provider import build_model
 from megatron_specdec.models.speculative import attach
 
 
 def speculative_meta(base_meta: dict, cfg) -> dict:
     meta = dict(base_meta)
-    meta["draft"] = spec_config.to_dict(cfg)
+    meta["draft"] = registry.config_to_dict(cfg)
     return meta
 
 
@@ -25,7 +25,7 @@ def load_speculative(path, dtype=None, transformer_impl=None, recompute: bool = 
     dtype = dtype or checkpoint.dtype_from_name(meta["dtype"])
     base = build_model(hf_config, dtype=dtype, padding=meta["padding"],
                        transformer_impl=transformer_impl or meta["transformer_impl"])
-    model = attach(base, spec_config.from_dict(meta["draft"]), hf_config, recompute=recompute)
+    model = attach(base, registry.config_from_dict(meta["draft"]), hf_config, recompute=recompute)
     checkpoint.load_checkpoint(model, path, meta)
     return model, hf_config, meta
 
@@ -39,15 +39,9 @@ def save_speculative(model, path, base_meta: dict, tokenizer_dir=None, overwrite
 
 def save_trained(model, path, base_meta: dict, tokenizer_dir=None, record=None):
     """What a training run leaves at `path`: a speculative checkpoint (base + draft module),
-    or, for a draft GPT, the draft alone as a plain GPT checkpoint (what `--drafter
-    draft-model` and megatron_to_hf read) whose metadata adds `distilled` (`record`)."""
-    if model.algo != "draft_model":
-        return save_speculative(model, path, base_meta, tokenizer_dir, overwrite=True)
-    from megatron_specdec.methods.draft_model.layers import replicas
-
-    meta = checkpoint.base_meta_of(checkpoint.read_meta(model.spec_config.model))
-    meta.update(dtype=checkpoint.dtype_name(model.config.params_dtype), distilled=record or {})
-    draft = model.draft  # the last stage's; other stages write nothing
-    state = replicas(draft.gpt.sharded_state_dict()) if draft is not None else {}
-    return checkpoint.save_checkpoint(None, path, meta, tokenizer_dir, overwrite=True,
-                                      sharded_state_dict=state)
+    or what the method's `save_trained` hook writes instead (a draft GPT: the draft alone,
+    whose metadata adds `record`)."""
+    method = registry.get(model.algo)
+    if method.save_trained is not None:
+        return method.save_trained(model, path, base_meta, tokenizer_dir, record)
+    return save_speculative(model, path, base_meta, tokenizer_dir, overwrite=True)

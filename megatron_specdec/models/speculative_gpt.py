@@ -1,12 +1,13 @@
 """The speculative GPT model: a frozen megatron-core GPTModel plus a draft module.
 
 `SpeculativeGPTModel` owns the base GPTModel unchanged (`self.base`) and, on the last
-pipeline stage, the draft module (`self.eagle3` or `self.medusa`). Its forward runs the base
-stage layer by layer (aux_capture) so captured states reach the draft through the pipeline
-schedule, then on the last stage computes the draft's vocab-parallel loss.
+pipeline stage, the draft module under its method's name (`self.eagle3`, `self.medusa`, ...).
+Its forward runs the base stage layer by layer (aux_capture) so captured states reach the
+draft through the pipeline schedule, then on the last stage computes the draft's loss (the
+method's `loss` hook, registry.DraftMethod).
 
 Checkpoint keys of the base are exactly a base checkpoint's (embedding.*, decoder.*,
-output_layer.*); the draft adds `eagle3.*` or `medusa.*`. A base checkpoint therefore loads
+output_layer.*); the draft adds `<method name>.*`. A base checkpoint therefore loads
 into the base half, and a speculative checkpoint reshards like any dist checkpoint.
 """
 
@@ -15,12 +16,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_specdec.models.packing import packed_seq_params_of_mask
+from megatron_specdec import registry
 from megatron_specdec.models.layers import aux_capture, losses
-from megatron_specdec.models.layers.vocab_parallel import vocab_parallel_gather
+from megatron_specdec.models.packing import packed_seq_params_of_mask
 
 
 class SpeculativeGPTModel(MegatronModule):
@@ -33,8 +33,9 @@ class SpeculativeGPTModel(MegatronModule):
         self.model_type = base.model_type
         self.pre_process = base.pre_process
         self.post_process = base.post_process
-        self.aux_layer_ids = spec_cfg.aux_layer_ids
-        self.carries_embeds = self.algo == "eagle3"
+        self.method = registry.get(self.algo)
+        self.aux_layer_ids = self.method.aux_layer_ids(spec_cfg)
+        self.carries_embeds = self.method.carries_embeds
         self.loss_chunk_rows = losses.LOSS_CHUNK_ROWS  # scored positions whose logits exist at once
         # Read by megatron's finalize_model_grads: the frozen base's tied embedding has no
         # gradient to all-reduce between the first and last stage.
@@ -134,44 +135,8 @@ class SpeculativeGPTModel(MegatronModule):
 
     def draft_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
         """The draft's loss report from the last stage's base state (online forward and the
-        offline trainer, which replays dumped states, share it)."""
-        if self.algo == "draft_model":
-            return self._distill_loss(state, input_ids, loss_mask, attention_mask)
-        if self.algo == "medusa":
-            hidden, base_logits = self.base_head(state.residual)
-            vocab_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
-            return losses.medusa_loss(self.draft(hidden), input_ids, loss_mask,
-                                      self.spec_config.medusa_head_weights, vocab_offset)
-        cfg, draft = self.spec_config, self.draft
-        b, s = input_ids.shape
-        masks = losses.chain_masks(loss_mask, attention_mask, cfg.ttt_steps)
-        rows = masks[0].nonzero().squeeze(1)  # positions u step 0 scores, s-major over [s, b]
-        residual = state.residual.reshape(s * b, 1, -1)
-        targets = []
-        for chunk in rows.split(self.loss_chunk_rows):  # base logits at u+1, a chunk at a time
-            _, base_logits = self.base_head(residual[chunk + b])
-            base_offset = ps.get_tensor_model_parallel_rank() * base_logits.shape[-1]
-            targets.append(losses.eagle3_targets(
-                base_logits.reshape(chunk.numel(), -1), draft.target_ids(),
-                cfg.padded_draft_vocab_size, base_offset, self.vocab_size))
-        aux = torch.cat(state.aux, dim=-1)
-        next_embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])  # token u+1 at u
-        step_hidden = draft.ttt_hidden(
-            aux, next_embeds, self.rotary_pos_emb(s), attention_mask, cfg.ttt_steps, rows)
-        return losses.eagle3_loss(
-            step_hidden, draft.head, torch.cat([t for t, _ in targets]),
-            torch.cat([top for _, top in targets]), masks[:, rows], draft.target_ids(),
-            draft.t2d, draft.vocab_offset, cfg.ttt_decay, self.loss_chunk_rows)
-
-    def _distill_loss(self, state, input_ids, loss_mask, attention_mask) -> dict:
-        """A draft GPT's distillation loss: at every position whose next token is scored,
-        its next-token distribution against the base's (gathered over TP)."""
-        b, s = input_ids.shape
-        rows = losses.next_token_mask(loss_mask).reshape(-1).nonzero().squeeze(1)
-        _, base_logits = self.base_head(state.residual.reshape(s * b, 1, -1)[rows])
-        base_logits = vocab_parallel_gather(base_logits, self.vocab_size)
-        return losses.distill_loss(self.draft.logits(input_ids, attention_mask, rows),
-                                   base_logits, self.vocab_size, self.draft.group)
+        offline trainer, which replays dumped states, share it): the method's loss."""
+        return self.method.loss(self, state, input_ids, loss_mask, attention_mask)
 
     # ---- checkpoints ------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

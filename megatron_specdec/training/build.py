@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_specdec.checkpointing import checkpoint
 from megatron_specdec.loading import source as loading
-from megatron_specdec.methods import config as spec_config
+from megatron_specdec import registry
 from megatron_specdec.models.default_model import resolve_model_path
 from megatron_specdec.models.speculative import attach, set_draft_vocab
 from megatron_specdec.training.recipe import RecipeError
@@ -33,12 +33,12 @@ def draft_config(recipe, hf_config, stored=None):
         if recipe.draft.config:
             log.warning("model.path is a speculative checkpoint: its draft config is used and "
                         "draft.config is ignored")
-        return spec_config.from_dict(stored)
+        return registry.config_from_dict(stored)
     try:
-        return spec_config.parse(recipe.draft.algo, dict(recipe.draft.config),
-                                 hf_config.num_hidden_layers, hf_config.vocab_size,
-                                 spec_config.TRAINABLE)
-    except spec_config.SpecConfigError as e:
+        return registry.parse_config(recipe.draft.algo, dict(recipe.draft.config),
+                                     hf_config.num_hidden_layers, hf_config.vocab_size,
+                                     registry.trainable())
+    except registry.ConfigError as e:
         raise RecipeError(f"recipe key 'draft.config': {e}") from None
 
 
@@ -74,13 +74,16 @@ def build_speculative(recipe, calibrate: bool = True):
     tokenizer = load_tokenizer(str(tokenizer_dir))
     if loaded.draft is not None:  # a speculative checkpoint: base and draft loaded together
         return loaded.model.train(), hf_config, loaded.base_meta, tokenizer, tokenizer_dir
+    method = registry.get(cfg.algo)
     try:
         model = attach(loaded.model.train(), cfg, hf_config, tokenizer_dir,
                        recompute=recipe.training.recompute)
     except (checkpoint.CheckpointError, ValueError) as e:
-        if cfg.algo != "draft_model":
+        if method.attach_config_key is None:
             raise
-        raise RecipeError(f"recipe key 'draft.config.model': {e}") from None
-    if calibrate and cfg.algo == "eagle3" and cfg.draft_vocab_size < hf_config.vocab_size:
+        raise RecipeError(f"recipe key 'draft.config.{method.attach_config_key}': {e}") \
+            from None
+    if calibrate and method.set_draft_vocab is not None and \
+            cfg.draft_vocab_size < hf_config.vocab_size:
         set_draft_vocab(model, *_calibrated_vocab(recipe, tokenizer, cfg, hf_config.vocab_size))
     return model, hf_config, loaded.base_meta, tokenizer, tokenizer_dir

@@ -193,14 +193,12 @@ def max_over_world(value: float) -> float:
     return float(t)
 
 
-# Draft keys a run may change on resume (they shape no tensor).
-_RESUMABLE_CHANGES = ("ttt_steps", "ttt_decay", "medusa_head_weights")
 
 
 def check_compatible(path, meta: dict, model):
     """Refuse a checkpoint of another format or whose draft differs from the model's, naming
     the keys, before dist_checkpointing fails on a shape."""
-    from megatron_specdec.methods import config as spec_config
+    from megatron_specdec import registry
 
     record = meta["training_checkpoint"]
     if record.get("format") != FORMAT:
@@ -209,9 +207,12 @@ def check_compatible(path, meta: dict, model):
             f"{record.get('format')!r}, expected {FORMAT} (format 1 kept RNG states as a "
             f"pickle, which is not loaded); use another checkpointing.directory")
     saved = record["draft"]
-    mine = spec_config.to_dict(model.spec_config)
+    mine = registry.config_to_dict(model.spec_config)
+    # Keys a run may change on resume (they shape no tensor): marked so in the config class.
+    resumable = {f.name for f in dataclasses.fields(model.spec_config)
+                 if f.metadata.get("resumable")}
     diff = sorted(k for k in set(saved["config"]) | set(mine["config"])
-                  if k not in _RESUMABLE_CHANGES
+                  if k not in resumable
                   and saved["config"].get(k) != mine["config"].get(k))
     if saved["algo"] != mine["algo"]:
         diff.insert(0, "algo")

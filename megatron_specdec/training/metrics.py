@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_specdec import registry
 from megatron_specdec.distributed import device
 from megatron_specdec.training.schedule import sum_reports
 
@@ -19,10 +20,9 @@ SUMMARY_FILE = "summary.json"
 
 
 def num_draft_steps(cfg) -> int:
-    """Per-step statistics a report holds: EAGLE3 unrolled steps, Medusa heads, or the one
-    next-token prediction of a draft GPT."""
-    return {"eagle3": lambda: cfg.ttt_steps, "medusa": lambda: cfg.medusa_num_heads,
-            "draft_model": lambda: 1}[cfg.algo]()
+    """Per-step statistics a report holds (the method's loss_steps: EAGLE3 unrolled steps,
+    Medusa heads, the one next-token prediction of a draft GPT)."""
+    return registry.get(cfg.algo).loss_steps(cfg)
 
 
 def step_stats(reports, num_steps: int) -> dict:

@@ -3,7 +3,7 @@
 
 An unknown key or a value of the wrong type is a `RecipeError` naming the full key
 (`training.stepz`, `optimizer.lr`); range and consistency checks (`validate`) name it too.
-The draft module's own keys (`draft.config`) are checked by `spec_config.parse`, which also
+The draft module's own keys (`draft.config`) are checked by `registry.parse_config` (the method's config class), which also
 names unknown keys, once the base model's size is known.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_specdec.methods.config import TRAINABLE
+from megatron_specdec import registry
 
 
 class RecipeError(ValueError):
@@ -40,7 +40,7 @@ class ParallelismConfig:
 @dataclass
 class DraftConfig:
     algo: str = "eagle3"
-    # spec_config keys of `algo` (e.g. draft_vocab_size, ttt_steps, medusa_num_heads).
+    # config keys of the method `algo` (e.g. draft_vocab_size, ttt_steps, medusa_num_heads).
     config: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -172,8 +172,8 @@ def validate(r: Recipe):
     _check(r.parallelism.tp >= 1, "parallelism.tp", "must be >= 1")
     _check(r.parallelism.pp >= 1, "parallelism.pp", "must be >= 1")
     _check(r.parallelism.ep >= 1, "parallelism.ep", "must be >= 1")
-    _check(r.draft.algo in TRAINABLE, "draft.algo",
-           f"{r.draft.algo!r}; expected one of {TRAINABLE}")
+    _check(r.draft.algo in registry.trainable(), "draft.algo",
+           f"{r.draft.algo!r}; expected one of {registry.trainable()}")
     _check(len(r.data.train) > 0, "data.train", "needs at least one jsonl file")
     _check(r.data.seq_length >= 4, "data.seq_length", "must be >= 4")
     _check(r.data.length_bucket >= 1, "data.length_bucket", "must be >= 1 (1 = no rounding)")
@@ -199,16 +199,17 @@ def validate(r: Recipe):
            f"{r.training.mode!r}; expected online or offline")
     _check(r.training.mode == "online" or r.parallelism.pp == 1, "training.mode",
            "offline training reads dumped last-stage states: it needs parallelism.pp=1")
-    _check(not r.training.recompute or r.draft.algo == "eagle3", "training.recompute",
+    method = registry.get(r.draft.algo)
+    _check(not r.training.recompute or method.supports_recompute, "training.recompute",
            f"recomputes the EAGLE3 draft layer; draft.algo {r.draft.algo!r} has none (set false)")
     _check(r.checkpointing.interval >= 0, "checkpointing.interval", "must be >= 0")
     _check(r.checkpointing.keep_last >= 1, "checkpointing.keep_last", "must be >= 1")
     _check(r.evaluation.interval >= 0, "evaluation.interval", "must be >= 0")
     _check(r.evaluation.interval == 0 or r.evaluation.prompts is not None, "evaluation.prompts",
            "needed when evaluation.interval > 0")
-    _check(r.evaluation.interval == 0 or r.draft.algo != "draft_model", "evaluation.interval",
-           "must be 0 for draft.algo draft_model (measure the final draft GPT with "
-           "`decoding.validate --drafter draft-model --draft-model <output_dir>/final`)")
+    _check(r.evaluation.interval == 0 or method.evaluated_in_training, "evaluation.interval",
+           f"must be 0 for draft.algo {r.draft.algo} (measure the final draft GPT with "
+           f"`cli.validate --drafter {r.draft.algo} --draft-model <output_dir>/final`)")
     _check(r.logging.interval >= 1, "logging.interval", "must be >= 1")
 
 

@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -94,11 +95,52 @@ class _Termination:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+@dataclass
+class _Run:
+    """What the loop and the summary share, built once by `_setup`."""
+    model: object
+    meta: dict  # the base's checkpoint metadata
+    tokenizer: object
+    tokenizer_dir: object
+    dataset: object
+    opt: object
+    state: checkpoints.TrainerState
+    batches: object
+    num_micro: int
+    dp: int
+    resume_from: object
+    ckpt_meta: dict
+    reporter: metrics.Reporter
+
+
 def train(recipe, on_step=None) -> dict:
     """Run (or resume) `recipe` in the current process group; returns the summary.
     `on_step(step)`, if given, is called after each optimizer step (the soak bench samples
     memory and time there, outside the step it measures)."""
     run_start = time.time()  # the time limit counts setup too, as Megatron's does
+    run = _setup(recipe)
+    start_time, start_step = time.time(), run.state.step
+    last, acceptance, stopped = _loop(recipe, run, run_start, on_step)
+    final = _save_final(recipe, run, stopped)
+    summary = {
+        "steps": run.state.step, "steps_this_run": run.state.step - start_step,
+        "consumed_samples": run.state.consumed_samples, "scored_tokens": run.state.tokens,
+        "seconds_this_run": time.time() - start_time,
+        "resumed_from": str(run.resume_from) if run.resume_from else None,
+        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
+        "acceptance": acceptance, "final_checkpoint": final and str(final),
+        "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(run.dataset),
+        "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": run.dp,
+        "algo": run.model.spec_config.algo, "mode": recipe.training.mode,
+        # steps: training.steps reached; time_limit: exit_duration_mins; sigterm: a SIGTERM
+        "stopped": stopped,
+    }
+    run.reporter.close(summary)
+    return summary
+
+
+def _setup(recipe) -> _Run:
+    """Process groups, the model (resumed, or built and calibrated), data, optimizer."""
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     distributed.initialize(tp, pp, seed=recipe.training.seed, ep=recipe.parallelism.ep)
     dp = data_parallel_size(recipe, dist.get_world_size())
@@ -130,20 +172,28 @@ def train(recipe, on_step=None) -> dict:
     ckpt_meta = dict(ckpt_meta, training_checkpoint={"draft": ckpt_meta.pop("draft"),
                                                      "base_model": recipe.model.path,
                                                      "base": base, "data": data})
-    reporter = metrics.Reporter(recipe, state.step)
+    return _Run(model, meta, tokenizer, tokenizer_dir, dataset, opt, state, batches, num_micro,
+                dp, resume_from, ckpt_meta, metrics.Reporter(recipe, state.step))
+
+
+def _loop(recipe, run: _Run, run_start: float, on_step):
+    """Optimizer steps until training.steps, the time limit or an agreed SIGTERM, with
+    checkpoints and evaluations on their intervals. Returns (the last step's stats, the last
+    acceptance measured, why it stopped)."""
+    model, opt, state, batches, reporter = run.model, run.opt, run.state, run.batches, \
+        run.reporter
     forward_backward = schedule.forward_backward_func(recipe)
     total = recipe.training.steps
     interval = recipe.checkpointing.interval
-    start_time, start_step, last = time.time(), state.step, {}
-    acceptance, stopped = None, "steps"
+    last, acceptance, stopped = {}, None, "steps"
     profiler = profiling.StepProfiler(recipe)
     termination = _Termination()
     try:
         while state.step < total:
             profiler.before(state.step)
             lr = optimizer.lr_at(state.step, recipe.optimizer, total)
-            micro = step_batches([next(batches) for _ in range(num_micro)], recipe.data.pack,
-                                 recipe.data.length_bucket)
+            micro = step_batches([next(batches) for _ in range(run.num_micro)],
+                                 recipe.data.pack, recipe.data.length_bucket)
             opt.zero_grad()
             reports = forward_backward(model, micro)
             grad_norm = opt.step(lr)
@@ -164,12 +214,12 @@ def train(recipe, on_step=None) -> dict:
             if (interval and state.step % interval == 0) or state.step == total \
                     or stopped != "steps":
                 checkpoints.save(checkpoint_dir(recipe), state.step, model, opt, state,
-                                 ckpt_meta, recipe.checkpointing.keep_last)
+                                 run.ckpt_meta, recipe.checkpointing.keep_last)
             if stopped != "steps":
                 log.info("%s at step %d: checkpointed, stopping", stopped, state.step)
                 break
             if evaluation.due(recipe, state.step):
-                acceptance = evaluation.run(recipe, model, tokenizer, state.step, reporter)
+                acceptance = evaluation.run(recipe, model, run.tokenizer, state.step, reporter)
     except RuntimeError as e:
         if not _collective_failure(e):
             raise
@@ -180,32 +230,24 @@ def train(recipe, on_step=None) -> dict:
     finally:
         termination.close()
     profiler.close(state.step)
+    return last, acceptance, stopped
+
+
+def _save_final(recipe, run: _Run, stopped: str):
+    """What the run leaves in output_dir/final (the method's save_trained), or None after a
+    SIGTERM: the scheduler's grace time is short, and the checkpoint resumes."""
+    if stopped == "sigterm":
+        return None
     final = Path(recipe.output_dir) / FINAL_DIR
-    if stopped == "sigterm":  # the scheduler's grace time is short: the checkpoint resumes
-        final = None
-    else:
-        try:
-            save_trained(model, final, meta, tokenizer_dir,
-                         {"base_model": recipe.model.path, "data": list(recipe.data.train),
-                          "steps": state.step, "scored_tokens": state.tokens})
-        except checkpoints.WRITE_ERRORS as e:
-            raise checkpoint.CheckpointError(
-                f"writing the trained model to {final} failed "
-                f"({checkpoints.write_failure(e, final)}); the training checkpoint of step "
-                f"{state.step} in {checkpoint_dir(recipe)} holds it: rerun the command to "
-                f"export again") from e
-    elapsed = time.time() - start_time
-    summary = {
-        "steps": state.step, "steps_this_run": state.step - start_step,
-        "consumed_samples": state.consumed_samples, "scored_tokens": state.tokens,
-        "seconds_this_run": elapsed, "resumed_from": str(resume_from) if resume_from else None,
-        "final_loss": last.get("loss"), "final_accuracy": last.get("accuracy"),
-        "acceptance": acceptance, "final_checkpoint": final and str(final),
-        "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(dataset),
-        "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": dp,
-        "algo": model.spec_config.algo, "mode": recipe.training.mode,
-        # steps: training.steps reached; time_limit: exit_duration_mins; sigterm: a SIGTERM
-        "stopped": stopped,
-    }
-    reporter.close(summary)
-    return summary
+    state = run.state
+    try:
+        save_trained(run.model, final, run.meta, run.tokenizer_dir,
+                     {"base_model": recipe.model.path, "data": list(recipe.data.train),
+                      "steps": state.step, "scored_tokens": state.tokens})
+    except checkpoints.WRITE_ERRORS as e:
+        raise checkpoint.CheckpointError(
+            f"writing the trained model to {final} failed "
+            f"({checkpoints.write_failure(e, final)}); the training checkpoint of step "
+            f"{state.step} in {checkpoint_dir(recipe)} holds it: rerun the command to "
+            f"export again") from e
+    return final

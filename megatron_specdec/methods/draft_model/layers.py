@@ -1,5 +1,5 @@
 """A separate draft GPT as the trainable half of a SpeculativeGPTModel (algo `draft_model`):
-distilled against the frozen base, then used by the draft-model drafter.
+distilled against the frozen base, then used by the draft_model drafter.
 
 The draft runs whole (TP=1, PP=1) and replicated on every rank of the base's last pipeline
 stage, in process groups of one rank each, as the drafter runs it (see

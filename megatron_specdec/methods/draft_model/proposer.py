@@ -194,3 +194,17 @@ class DraftModelDrafter:
         # Unseen: row b's kept tokens from kept[b] on, still left-padded.
         self.unseen, self.unseen_counts = tokens, counts - kept
         self.chain = self.chain[:, :0]
+
+
+def make_proposer(model, options):
+    """This stage's proposer over the draft GPT of `options.draft_model` (None before the
+    last stage). Collective over the world: the draft checkpoint is read on every rank."""
+    from megatron.core import parallel_state as ps
+
+    if options.draft_model is None:
+        raise ValueError("--draft-model goes with --drafter draft_model, and it needs one")
+    # In the target's dtype, as vLLM runs a draft model (a bf16 draft beside an fp32
+    # target runs the slower bf16 kernels on the 2-core CPU: a SmolLM2 step 52 ms vs 39).
+    draft = load_draft_model(options.draft_model, model.vocab_size,
+                             dtype=model.base.config.params_dtype)
+    return DraftModelDrafter(draft, model.vocab_size) if ps.is_pipeline_last_stage() else None

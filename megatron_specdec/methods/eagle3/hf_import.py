@@ -16,7 +16,7 @@ import torch
 
 from megatron_specdec.checkpointing import checkpoint
 from megatron_specdec.models import families
-from megatron_specdec.methods import config as spec_config
+from megatron_specdec import registry
 from megatron_specdec.methods.eagle3 import hf_export as eagle3_hf
 from megatron_specdec.methods.eagle3 import hf_weights as eagle3
 from megatron_specdec.checkpointing import hf_files as files, hf_mapping as mapping
@@ -122,7 +122,7 @@ def draft_config(config: dict, tensors: dict, base):
         "use_input_layernorm_in_first_layer": first + "input_layernorm.weight" in tensors,
         "use_last_layernorm": "norm.weight" in tensors,
     }
-    return spec_config.parse("eagle3", raw, base.num_hidden_layers, base.vocab_size)
+    return registry.parse_config("eagle3", raw, base.num_hidden_layers, base.vocab_size)
 
 
 def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
@@ -159,6 +159,19 @@ def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
     return dict(tensors, d2t=d2t, t2d=t2d)
 
 
+def check_export(draft_dir, base_dir):
+    """An exported draft directory checked against the HF base `base_dir` as an import checks
+    it: its config, or an error naming the file, tensor or key at fault."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.from_pretrained(base_dir)
+    config, tensors = read_hf_draft(draft_dir)
+    check_fits(config, base)
+    cfg = draft_config(config, tensors, base)
+    check_tensors(config, cfg, tensors, draft_dir)
+    return cfg
+
+
 def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwrite):
     from megatron.core import parallel_state as ps
 
@@ -170,7 +183,7 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
     distributed.initialize(tp, pp)
     meta = checkpoint.base_meta_of(checkpoint.read_meta(base_ckpt))
     base, hf_config = load_base_model(base_ckpt, meta)
-    cfg = spec_config.from_dict(cfg_entry)
+    cfg = registry.config_from_dict(cfg_entry)
     model = attach(base, cfg, hf_config)
     if model.draft is not None:
         mapping.load_into_model(model.draft, eagle3.rules(cfg), global_draft, cfg.eagle_num_layers,
@@ -202,7 +215,7 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False):
     global_draft = mapping.hf_to_megatron(eagle3.rules(cfg), tensors,
                                           eagle3.geometry(base, meta["padding"], cfg),
                                           cfg.eagle_num_layers)
-    args = (str(base_ckpt), str(out_ckpt), spec_config.to_dict(cfg), global_draft, tp, pp,
+    args = (str(base_ckpt), str(out_ckpt), registry.config_to_dict(cfg), global_draft, tp, pp,
             overwrite)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == tp * pp and (dist.is_initialized() or tp * pp == 1):

@@ -14,7 +14,7 @@ CHECKPOINT_PREFIX = "eagle3."
 
 
 def rules(cfg):
-    """`cfg`: spec_config.Eagle3Config."""
+    """`cfg`: an Eagle3Config."""
     single = cfg.eagle_num_layers == 1
     meg, hf = ("layers.0.", "midlayer.") if single else ("layers.{i}.", "layers.{i}.")
     return [

@@ -234,3 +234,14 @@ class Eagle3Drafter:
         """The base kept tokens [b, s] (the last counts[b] of row b; each real token is the
         one after its position), whose states are `out`'s."""
         self.extend(out.aux, tokens, counts)
+
+
+def make_proposer(model, options):
+    """This stage's EAGLE3 proposer (None before the last stage). Collective over the
+    pipeline: the last stage gets a replica of the base's embedding."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_specdec.inference.embedding import last_stage_embedding
+
+    embedding = last_stage_embedding(model)
+    return Eagle3Drafter(model, embedding) if ps.is_pipeline_last_stage() else None

@@ -59,7 +59,7 @@ def eagle3_layer_spec(first: bool, use_input_layernorm: bool = True,
 
 
 def eagle3_module_spec(cfg, qk_layernorm: bool = False) -> ModuleSpec:
-    """`cfg` is a spec_config.Eagle3Config."""
+    """`cfg` is an Eagle3Config."""
     norm = LocalSpecProvider().layer_norm(rms_norm=True)
     layers = [
         eagle3_layer_spec(i == 0, cfg.use_input_layernorm_in_first_layer, qk_layernorm)

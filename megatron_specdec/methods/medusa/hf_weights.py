@@ -11,7 +11,7 @@ CHECKPOINT_PREFIX = "medusa."
 
 
 def rules(cfg):
-    """`cfg`: spec_config.MedusaConfig. Expand with num_layers=cfg.medusa_num_heads."""
+    """`cfg`: a MedusaConfig. Expand with num_layers=cfg.medusa_num_heads."""
     table = []
     for j in range(cfg.medusa_num_layers):
         block = f"heads.{{i}}.blocks.{j}.linear."

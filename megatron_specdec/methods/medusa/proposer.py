@@ -61,3 +61,15 @@ class MedusaDrafter:
 
     def accept(self, tokens: Tensor, counts: Tensor, out):
         self._hidden = out.hidden[-1:]  # each row's newest kept state (left-padded chunk)
+
+
+def make_proposer(model, options):
+    """This stage's Medusa proposer (None before the last stage)."""
+    from megatron.core import parallel_state as ps
+
+    return MedusaDrafter(model) if ps.is_pipeline_last_stage() else None
+
+
+def check_num_draft_tokens(cfg, k: int):
+    if k > cfg.medusa_num_heads:
+        raise ValueError(f"num_draft_tokens {k} exceeds the {cfg.medusa_num_heads} Medusa heads")

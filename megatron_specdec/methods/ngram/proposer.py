@@ -79,3 +79,10 @@ class NgramDrafter:
         tokens = tokens.cpu()
         self.history = [torch.cat([h, row[row.numel() - n:]])
                         for h, row, n in zip(self.history, tokens, counts.tolist())]
+
+
+def make_proposer(model, options):
+    """Prompt lookup on the last stage (None before it): no draft module, any model."""
+    from megatron.core import parallel_state as ps
+
+    return NgramDrafter() if ps.is_pipeline_last_stage() else None
