@@ -80,3 +80,26 @@ def test_bad_export_refused_by_name(exported, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="architectures"):
         hf_weights.read_export(bad)
+
+
+def test_checkpoint_export_import_roundtrip(tmp_path):
+    """The registry's hooks: a speculative checkpoint (TP=1) -> export -> import at TP=2 ->
+    export again: the same files bitwise (checkpoint_tools/export_draft and import_draft go
+    through these hooks)."""
+    import train_support as ts
+    from megatron_specdec import registry
+    from megatron_specdec.loading.conversion import convert_checkpoint
+    from megatron_specdec.loading.hf_conversion import hf_to_megatron
+
+    method = registry.get("dflash")
+    hf_dir = ts.make_tiny_model(tmp_path / "hf")
+    hf_to_megatron(hf_dir, tmp_path / "base")
+    convert_checkpoint(tmp_path / "base", tmp_path / "spec", "dflash",
+                       {"block_size": 4, "target_layer_ids": [0, 1, 2]})
+    first = method.export_hf(tmp_path / "spec", tmp_path / "first")
+    cfg = method.import_hf(first, tmp_path / "base", tmp_path / "imported", tp=2)
+    assert cfg.block_size == 4 and cfg.target_layer_ids == [0, 1, 2]
+    again = method.export_hf(tmp_path / "imported", tmp_path / "again")
+    for name in ("config.json", "model.safetensors"):
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
+    assert torch.equal(_files(first)[1]["mask_embedding"], _files(again)[1]["mask_embedding"])
