@@ -15,26 +15,51 @@ pytestmark = [pytest.mark.engines, pytest.mark.slow]
 CHECK = Path(__file__).resolve().parents[1] / "megatron_specdec/methods/dflash/vllm_load_check.py"
 
 
-def _export_worker(hf_dir, out_dir):
+K, CONTEXT = 7, 10
+
+
+def _export_worker(hf_dir, out_dir, parity_file=None):
+    """Export a fresh SmolLM2 DFlash draft; with `parity_file`, also the project's block
+    logits after CONTEXT random context states (pending token 42)."""
+    import torch
+
     from megatron_specdec.loading.hf_conversion import model_from_hf, read_hf_config
     from megatron_specdec.methods.dflash import hf_weights
+    from megatron_specdec.methods.dflash.layers import block_attention_mask
+    from megatron_specdec.methods.dflash.model import draft_logits
     from megatron_specdec.models.speculative import convert
-    
+
     distributed.initialize(1, 1)
     base = model_from_hf(hf_dir)[0]
     hf = read_hf_config(hf_dir)
     spec = convert(base, "dflash", {"num_layers": 1}, hf_config=hf)
     hf_weights.export_model(spec, hf, out_dir)
+    if parity_file is None:
+        return
+    draft = spec.draft
+    aux = torch.randn(CONTEXT, 1, len(spec.aux_layer_ids) * hf.hidden_size,
+                      generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        block = draft.block_inputs(base.embedding(input_ids=torch.tensor([[42]]),
+                                                  position_ids=None), K + 1)
+        rope = spec.rotary_pos_emb(CONTEXT + K + 1)
+        mask = block_attention_mask(torch.tensor([[CONTEXT]]), K + 1, CONTEXT)
+        hidden = draft(block, draft.context(aux), rope[CONTEXT:], rope[:CONTEXT], mask)
+        logits = draft_logits(spec, hidden[1:])[:, 0, :hf.vocab_size]
+    torch.save({"aux": aux[:, 0], "pending": 42, "k": K, "logits": logits}, parity_file)
 
 
 def test_vllm_dflash_class_loads_every_tensor(default_hf_dir, tmp_path):
+    """... and its modules, composed as qwen3_dflash.py composes them, give the project's
+    block logits (float32)."""
     from megatron_specdec.engines.vllm_client import vllm_python
 
-    draft = tmp_path / "dflash"
-    distributed.spawn(_export_worker, 1, str(default_hf_dir), str(draft))
+    draft, parity = tmp_path / "dflash", tmp_path / "parity.pt"
+    distributed.spawn(_export_worker, 1, str(default_hf_dir), str(draft), str(parity))
     out = tmp_path / "check.json"
     proc = subprocess.run([str(vllm_python()), str(CHECK), str(default_hf_dir), str(draft),
-                           str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                           str(out), str(parity)], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["class"] == "DFlashQwen3ForCausalLM"
@@ -43,6 +68,8 @@ def test_vllm_dflash_class_loads_every_tensor(default_hf_dir, tmp_path):
     assert r["shared_from_base"] == ["model.embed_tokens.weight", "lm_head.weight"]
     assert r["separate_mask_embedding"] is True
     assert r["causal"] == [False]
+    assert r["parity"]["same_argmax"], r["parity"]
+    assert r["parity"]["max_abs_diff"] <= 1e-4 * max(1.0, r["parity"]["logit_scale"]), r["parity"]
 
 
 def test_vllm_cpu_serves_dflash_losslessly(default_hf_dir, tmp_path):
