@@ -51,10 +51,19 @@ def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
                  "training.micro_batch_size=1", f"optimizer.warmup_steps={args.warmup}",
                  "checkpointing.interval=0", "checkpointing.resume=false",
                  "evaluation.interval=0", "logging.interval=1"]
+    if algo == "dflash":  # blocks tiling the whole row: every position scored, as EAGLE3 does
+        overrides.append(f"draft.config.anchors_per_sequence={args.seq_length // 8}")
     log = open(out_dir.with_suffix(".log"), "w")
     return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
                              RECIPES[algo], *overrides], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT)
+
+
+def _finished(out_dir: Path, steps: int) -> bool:
+    log = out_dir / "train_log.jsonl"
+    return log.is_file() and any(json.loads(line).get("event") == "end"
+                                 and json.loads(line)["step"] == steps
+                                 for line in log.read_text().splitlines())
 
 
 def curve(out_dir: Path) -> list:
@@ -94,13 +103,16 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--work-dir", default="runs/bench_block_drafter")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the final figures")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a run of --work-dir that already reached --steps (same settings)")
     p.add_argument("--commit", help="the commit to record (default: this checkout's HEAD; a "
                                     "copied tree run away from a moving checkout names it)")
     args = p.parse_args()
     work = REPO / args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = os.getloadavg(), time.time()
-    procs = {algo: train(algo, work / algo, args) for algo in RECIPES}  # side by side
+    procs = {algo: train(algo, work / algo, args) for algo in RECIPES  # side by side
+             if not (args.reuse and _finished(work / algo, args.steps))}
     for algo, proc in procs.items():
         if proc.wait() != 0:
             raise SystemExit(f"{algo} training failed: see {work / algo}.log")
@@ -112,6 +124,7 @@ def main():
         "cpu": cpu_model(), "commit": args.commit or commit(), "seconds": time.time() - started,
         "load_average_before_after": [load_before, os.getloadavg()],
         "steps": args.steps, "seq_length": args.seq_length,
+        "dflash_anchors_per_sequence": args.seq_length // 8,
         "global_batch_size": args.global_batch_size,
         "tokens_per_step": args.seq_length * args.global_batch_size,
         "final_mean_of_last_steps": final,
