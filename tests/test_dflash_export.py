@@ -82,6 +82,7 @@ def test_bad_export_refused_by_name(exported, tmp_path):
         hf_weights.read_export(bad)
 
 
+@pytest.mark.slow  # four conversions in fresh processes: ~80 s on the loaded 2-core machine
 def test_checkpoint_export_import_roundtrip(tmp_path):
     """The registry's hooks: a speculative checkpoint (TP=1) -> export -> import at TP=2 ->
     export again: the same files bitwise (checkpoint_tools/export_draft and import_draft go
