@@ -76,6 +76,34 @@ def curve(out_dir: Path) -> list:
     return rows
 
 
+def held_out_prompts(path: Path, n: int) -> Path:
+    """GSM8K training questions far past the ones the committed data answers (its first
+    4,080): prompts neither draft trained on (never MT-bench)."""
+    rows = (REPO / "data/sources/gsm8k_train.jsonl").read_text().splitlines()[7000:7000 + n]
+    path.write_text("".join(json.dumps({"prompt": json.loads(r)["question"]}) + "\n"
+                            for r in rows))
+    return path
+
+
+def measure(ckpt: str, prompts: str, out: str, max_new_tokens: int):
+    """Greedy acceptance length of a trained checkpoint (chain of 7, fixed), in this process."""
+    from megatron_specdec.evaluation.acceptance import evaluate_acceptance
+
+    report = evaluate_acceptance(ckpt, prompts, max_new_tokens=max_new_tokens,
+                                 num_draft_tokens=7, policy="fixed", progress=False)
+    report.pop("per_prompt", None)
+    Path(out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+def measured(work: Path, algo: str, args) -> dict:
+    prompts = held_out_prompts(work / "held_out_prompts.jsonl", args.al_prompts)
+    out = work / f"{algo}_acceptance.json"
+    subprocess.run([sys.executable, __file__, "--measure", str(work / algo / "final"),
+                    str(prompts), str(out), "--al-new-tokens", str(args.al_new_tokens)],
+                   cwd=REPO, check=True)
+    return json.loads(out.read_text())
+
+
 def plot(result: dict, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -107,7 +135,14 @@ def main():
                    help="keep a run of --work-dir that already reached --steps (same settings)")
     p.add_argument("--commit", help="the commit to record (default: this checkout's HEAD; a "
                                     "copied tree run away from a moving checkout names it)")
+    p.add_argument("--al-prompts", type=int, default=4,
+                   help="held-out prompts for the measured acceptance length (0: none)")
+    p.add_argument("--al-new-tokens", type=int, default=48)
+    p.add_argument("--measure", nargs=3, metavar=("CKPT", "PROMPTS", "OUT"),
+                   help=argparse.SUPPRESS)  # one checkpoint's acceptance, in a fresh process
     args = p.parse_args()
+    if args.measure:
+        return measure(*args.measure, args.al_new_tokens)
     work = REPO / args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = os.getloadavg(), time.time()
@@ -130,6 +165,8 @@ def main():
         "final_mean_of_last_steps": final,
         "implied_al_ratio_dflash_over_eagle3": final["dflash"]["implied_al"] / final["eagle3"]["implied_al"],
         "curves": curves,
+        "measured_acceptance": ({algo: measured(work, algo, args) for algo in RECIPES}
+                                if args.al_prompts else None),
     }
     out = REPO / "bench" / "results" / f"{RESULT}.json"
     tmp = out.with_suffix(".json.tmp")
