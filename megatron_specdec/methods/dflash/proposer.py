@@ -37,7 +37,6 @@ class DFlashDrafter:
         self.cache = None
         self.pending = None  # [b] each row's newest token, whose base state is not known yet
         self._rope = None
-        self._offset = None
         self._tp_rank = ps.get_tensor_model_parallel_rank()
 
     def _rotary(self, slots: Tensor) -> Tensor:
