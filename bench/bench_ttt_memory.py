@@ -53,7 +53,7 @@ def _watchdog(limit_bytes: int):
 
 def _old_attention():
     """The TTT attention of OLD_COMMIT, called as the new one is."""
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:megatron_specdec/methods/eagle3/ttt_attention.py"],
+    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:megatron_specdec/layers/ttt_attention.py"],
                             cwd=ROOT, check=True, capture_output=True, text=True).stdout
     old = types.ModuleType("ttt_attention_old")
     exec(compile(source, "ttt_attention_old.py", "exec"), old.__dict__)

@@ -61,6 +61,18 @@ def test_every_form_loads_to_the_same_logits(sources):
         torch.testing.assert_close(_logits(loaded), reference, rtol=0, atol=1e-5)
 
 
+def test_a_speculative_load_reads_its_metadata_once(sources, monkeypatch):
+    """identify reads and vets metadata.json once; the rebuild and the load take it from there."""
+    reads = []
+    read_meta = checkpoint.read_meta
+    monkeypatch.setattr(checkpoint, "read_meta",
+                        lambda path: reads.append(path) or read_meta(path))
+    for form in ("spec", "base"):
+        reads.clear()
+        loading.load_model(sources[form])
+        assert reads == [sources[form]], (form, reads)
+
+
 def test_identify_tells_the_forms_apart(sources):
     from megatron_specdec.models.default_model import default_model_dir
 
