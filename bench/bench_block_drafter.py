@@ -104,6 +104,57 @@ def measured(work: Path, algo: str, args) -> dict:
     return json.loads(out.read_text())
 
 
+def round_cost(out: Path, new_tokens: int, repeats: int):
+    """One speculative round's cost at k=7 against a plain greedy step, SmolLM2-135M + a fresh
+    DFlash draft (the cost does not depend on what the draft learned): seconds per round of
+    drafting (one draft forward) and of verifying (one base forward over 8 tokens), and the
+    plain greedy seconds per token, medians over `repeats` generations of one prompt."""
+    import statistics
+
+    import torch
+
+    from megatron_specdec import distributed
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.loading.hf_conversion import model_from_hf, read_hf_config
+    from megatron_specdec.models.default_model import default_model_dir
+    from megatron_specdec.models.speculative import convert
+
+    distributed.initialize(1, 1)
+    hf_dir = default_model_dir()
+    hf = read_hf_config(hf_dir)
+    model = convert(model_from_hf(hf_dir, dtype=torch.bfloat16)[0], "dflash",
+                    {"num_layers": 1}, hf_config=hf).eval()
+    prompt = json.loads((REPO / "data/sources/gsm8k_train.jsonl").read_text()
+                        .splitlines()[7000])["question"]
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(hf_dir).apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    generator = SpeculativeGenerator(model, 7, policy="fixed")
+    plain, draft, verify = [], [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        plain_generate(model.base, [ids], new_tokens, hf.vocab_size)
+        plain.append((time.perf_counter() - started) / new_tokens)
+        r = generator.generate(ids, new_tokens)
+        rounds = len(r.accepted)
+        draft.append(r.seconds["draft"] / rounds)
+        verify.append(r.seconds["base"] / rounds)
+    med = {k: statistics.median(v) for k, v in
+           (("plain_step_s", plain), ("draft_per_round_s", draft), ("verify_per_round_s", verify))}
+    med["round_over_plain_step"] = (med["draft_per_round_s"] + med["verify_per_round_s"]) / med["plain_step_s"]
+    med["draft_over_plain_step"] = med["draft_per_round_s"] / med["plain_step_s"]
+    result = {"what": "DFlash round cost at k=7 vs a plain greedy step, SmolLM2-135M bf16",
+              "cpu": cpu_model(), "commit": commit(), "load_average": os.getloadavg(),
+              "new_tokens": new_tokens, "repeats": repeats, "median": med,
+              "note": "verify and plain-step times include the prefill share; the draft "
+                      "includes reading accepted states into its context cache"}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
 def plot(result: dict, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -140,7 +191,12 @@ def main():
     p.add_argument("--al-new-tokens", type=int, default=48)
     p.add_argument("--measure", nargs=3, metavar=("CKPT", "PROMPTS", "OUT"),
                    help=argparse.SUPPRESS)  # one checkpoint's acceptance, in a fresh process
+    p.add_argument("--round-cost", action="store_true",
+                   help="only measure a k=7 round's cost against a plain step "
+                        "(bench/results/block_drafter_round_cost.json)")
     args = p.parse_args()
+    if args.round_cost:
+        return round_cost(REPO / "bench/results/block_drafter_round_cost.json", 32, 3)
     if args.measure:
         return measure(*args.measure, args.al_new_tokens)
     work = REPO / args.work_dir
