@@ -92,7 +92,7 @@ def test_speculative_sampling_matches_plain_sampling(model, greedy, reference):
         return result.tokens
 
     class KeepsEveryDraft(SpeculativeGenerator):
-        def _accept(self, drafts, counts, logits):
+        def _accept(self, call, drafts, counts, logits):
             tokens = torch.cat([drafts, drafts.new_full((1, 1), 0)], dim=1)
             return tokens, counts
 
@@ -135,7 +135,7 @@ def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, referen
         return result.tokens
 
     class GreedyPath(SpeculativeGenerator):
-        def _accept_tree(self, tokens, parents, logits, sizes):
+        def _accept_tree(self, call, tokens, parents, logits, sizes):
             return tree_verify(tokens, parents, logits, sizes)
 
     wrong = _generator(model, greedy, GreedyPath, spec)
