@@ -1,8 +1,9 @@
 """DFlash drafting on a small seeded random Llama: the proposer's block (one draft forward
 over its cache) gives the logits the training forward gives at the same anchor; speculative
 output over a ragged batch equals each row's plain greedy output (fixed blocks and
-confidence-cut blocks); sampling with drafts drawn from the draft's own distribution has
-plain sampling's distribution (the chi-square of test_speculative_sampling)."""
+confidence-cut blocks, trees from the block's per-position top-k); sampling with drafts
+drawn from the draft's own distribution, chains and trees, has plain sampling's
+distribution (the chi-square of test_speculative_sampling)."""
 
 import pytest
 import torch
@@ -74,6 +75,7 @@ def test_batch_greedy_identity(model):
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.inference.generation import plain_generate
     from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.tree import TreeSpec
 
     new = 12
     greedy = [plain_generate(model.base, [p], new, HF["vocab_size"])[0] for p in PROMPTS]
@@ -81,6 +83,8 @@ def test_batch_greedy_identity(model):
         results = SpeculativeGenerator(model, K, policy=policy).generate_batch(PROMPTS, new)
         assert [r.tokens for r in results] == [g[:new] for g in greedy]
         assert all(sum(r.drafted) > 0 for r in results)  # every row drafted blocks
+    trees = SpeculativeGenerator(model, K, tree=TreeSpec(3, 8), policy="fixed")
+    assert [r.tokens for r in trees.generate_batch(PROMPTS, new)] == [g[:new] for g in greedy]
 
 
 @pytest.mark.slow
@@ -96,9 +100,13 @@ def test_sampling_matches_plain_sampling(model):
         return plain_generate(model.base, [PROMPT], new, HF["vocab_size"], generator=rng,
                               **SETTINGS)[0]
 
-    own = SpeculativeGenerator(model, K, policy="fixed")
+    from megatron_specdec.inference.tree import TreeSpec
 
-    def with_draft_probs(seed):
-        return own.generate(PROMPT, new, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+    reference = _samples(plain)
+    for tree in (None, TreeSpec(3, 8)):  # chains, and trees sampled from the block
+        own = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
 
-    assert _same_distribution(_samples(plain), _samples(with_draft_probs)) > 1e-3
+        def with_draft_probs(seed):
+            return own.generate(PROMPT, new, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+
+        assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3, tree

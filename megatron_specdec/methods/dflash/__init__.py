@@ -22,6 +22,7 @@ METHOD = DraftMethod(
     default_num_draft_tokens=lambda cfg: cfg.block_size - 1,
     check_num_draft_tokens=lazy(f"{_P}.config:check_num_draft_tokens"),
     draft_vocab_size=lambda model: model.vocab_size,
+    drafts_trees=True,
     export_hf=lazy(f"{_P}.hf_export:export_dflash"),
     import_hf=lazy(f"{_P}.hf_export:import_dflash"),
     engine_config=lazy(f"{_P}.engines:engine_config"),

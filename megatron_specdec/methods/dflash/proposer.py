@@ -7,8 +7,9 @@ hidden_norm and the layer's k/v projection, as in training. A proposal places th
 whole block (bidirectional), and drops the block's entries again. Block position i's logits
 are draft i; `draft_chain` walks them in order, so a confidence policy cuts the block where
 the product of top probabilities drops (adaptive block length), and sampling draws each
-position from the draft's own distribution for lossless verification. Accepted tokens'
-base states are appended as context once the base has verified them.
+position from the draft's own distribution for lossless verification. A tree takes each
+block position's top-k (or samples) as the children of every node at that depth. Accepted
+tokens' base states are appended as context once the base has verified them.
 """
 
 import torch
@@ -110,6 +111,31 @@ class DFlashDrafter:
 
         drafts, probs, counts = self._chain(k, policy, pick)
         return self._stack(drafts), counts, torch.stack(probs, dim=1) if probs else None
+
+    def _row_block(self, depth: int, row: int) -> Tensor:
+        """Row `row`'s full-vocabulary logits [depth, V] of block positions 1..depth."""
+        return vocab_parallel_gather(self.block_logits(depth)[:, row:row + 1], self.vocab_size)
+
+    def propose_tree(self, depth: int, spec, floor: float = float("-inf"), row: int = 0):
+        """Row `row`'s draft tree from the block's per-position top-k (tree.grow_tree): block
+        positions do not see each other's tokens, so every node at depth d has position d's
+        distribution, and one draft forward drafts the whole tree."""
+        from megatron_specdec.inference.tree import grow_tree
+
+        log_probs = self._row_block(depth, row).float().log_softmax(-1)
+        return grow_tree(log_probs[0], lambda tree, frontier, d: log_probs[d].expand(
+            frontier.numel(), -1), depth, spec, floor)
+
+    def propose_tree_sampled(self, depth: int, spec, floor: float, sampling, rng, row: int = 0):
+        """Row `row`'s tree sampled from the block's distributions (tree.sample_tree) and the
+        distribution each node was drawn from [N, V], for lossless tree verification."""
+        from megatron_specdec.acceptance.reference import target_probs
+        from megatron_specdec.inference.tree import sample_tree
+
+        q = target_probs(self._row_block(depth, row), sampling.temperature, sampling.top_k,
+                         sampling.top_p)
+        return sample_tree(q[0], lambda tree, frontier, d: q[d].expand(frontier.numel(), -1),
+                           depth, spec, rng, floor)
 
     def accept(self, tokens: Tensor, counts: Tensor, out):
         """The base kept tokens [b, s] (the last counts[b] of row b; each is the token after
