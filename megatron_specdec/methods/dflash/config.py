@@ -29,7 +29,9 @@ class DFlashConfig:
     block_size: int = 8  # positions per block: the anchor token and block_size - 1 masks
     num_layers: int = 1  # vLLM's CPU build runs one layer correctly (see block_drafters.md)
     mask_token_id: Optional[int] = None  # default: the base's last vocabulary id
+    # base layers whose outputs are the context (0-based output-of-layer; default: five spread)
     target_layer_ids: Optional[List[int]] = None
+    # blocks scored per training sequence (seq_length / block_size tiles the row)
     anchors_per_sequence: int = field(default=8, metadata={"resumable": True})
     # block position i weighs exp(-(i - 1) / gamma)
     loss_decay_gamma: float = field(default=4.0, metadata={"resumable": True})
