@@ -11,6 +11,7 @@ import torch
 from megatron_specdec import distributed
 from test_speculative_generation import HF, PROMPT
 from test_speculative_sampling import SETTINGS, _samples, _same_distribution
+from workers import is_writer
 
 K = 4
 DFLASH = {"block_size": K + 1, "target_layer_ids": [0, 1, 2], "num_layers": 1}
@@ -18,21 +19,26 @@ _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
 
 
-@pytest.fixture(scope="module")
-def model():
+def build():
+    """This rank's seeded random Llama with a fresh DFlash draft (the same at any layout)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_specdec.loading.hf_conversion import load_hf_into_model
     from megatron_specdec.models.provider import build_model
     from megatron_specdec.models.speculative import convert
 
-    distributed.initialize(1, 1)
     hf = LlamaConfig(**HF)
     torch.manual_seed(0)
     state = LlamaForCausalLM(hf).state_dict()
     base = build_model(hf)
     load_hf_into_model(base, hf, state)
-    model = convert(base, "dflash", dict(DFLASH), hf_config=hf).eval()
+    return convert(base, "dflash", dict(DFLASH), hf_config=hf).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    distributed.initialize(1, 1)
+    model = build()
     with torch.no_grad():  # norms and the mask embedding away from their constant init
         g = torch.Generator().manual_seed(3)
         for p in model.draft.parameters():
@@ -110,3 +116,29 @@ def test_sampling_matches_plain_sampling(model):
             return own.generate(PROMPT, new, sampling=Sampling(**SETTINGS, seed=seed)).tokens
 
         assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3, tree
+
+
+def _layout_worker(tp, pp, out_file):
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.tree import TreeSpec
+    distributed.initialize(tp, pp)
+    model = build()
+    greedy = [plain_generate(model.base, [p], 8, HF["vocab_size"])[0] for p in PROMPTS]
+    chains = SpeculativeGenerator(model, K, policy="fixed").generate_batch(PROMPTS, 8)
+    trees = SpeculativeGenerator(model, K, tree=TreeSpec(3, 8), policy="fixed").generate_batch(
+        PROMPTS, 8)
+    if is_writer():
+        torch.save({"greedy": greedy, "chains": [r.tokens for r in chains],
+                    "trees": [r.tokens for r in trees]}, out_file)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)],
+                         ids=["tp2", "pp2"])
+def test_batch_greedy_identity_parallel(tmp_path, tp, pp):
+    """The drafter at TP=2 (vocab-parallel logits) and PP=2 (the last stage's embedding
+    replica): chains and trees over the ragged batch equal plain greedy."""
+    out = tmp_path / "out.pt"
+    distributed.spawn(_layout_worker, tp * pp, tp, pp, str(out))
+    r = torch.load(out)
+    assert r["chains"] == r["trees"] == r["greedy"]
