@@ -38,8 +38,9 @@ def sample_anchors(input_ids, loss_mask, block_size: int, count: int):
     return anchors.masked_fill(~valid, 0), valid
 
 
-def block_targets(input_ids, loss_mask, anchors, valid, block_size: int):
-    """(targets [b, n, B-1], scored [b, n, B-1]) : token a+i for block position i >= 1."""
+def block_targets(input_ids, loss_mask, anchors, valid, block_size: int, base_mask=None):
+    """(targets [b, n, B-1], scored [b, n, B-1]) : token a+i for block position i >= 1; with
+    packed rows (base_mask [b|1, 1, s, s]) only the tokens of the anchor's own sequence."""
     b, s = input_ids.shape
     pos = anchors[..., None] + torch.arange(1, block_size)  # [b, n, B-1]
     inside = pos < s
@@ -47,6 +48,9 @@ def block_targets(input_ids, loss_mask, anchors, valid, block_size: int):
     flat = pos.reshape(b, -1)
     targets = input_ids.cpu().gather(1, flat).reshape(pos.shape)
     scored = loss_mask.cpu().bool().gather(1, flat).reshape(pos.shape) & inside & valid[..., None]
+    if base_mask is not None:  # token a+i belongs to the anchor's sequence if it sees a
+        sees = ~base_mask[:, 0].cpu().expand(b, s, s)
+        scored &= sees[torch.arange(b)[:, None, None], pos, anchors[..., None]]
     return targets, scored
 
 
@@ -56,7 +60,7 @@ def dflash_loss(model, state, input_ids, loss_mask, attention_mask) -> dict:
     b, s = input_ids.shape
     dev = state.residual.device
     anchors, valid = sample_anchors(input_ids, loss_mask, B, n)
-    targets, scored = block_targets(input_ids, loss_mask, anchors, valid, B)
+    targets, scored = block_targets(input_ids, loss_mask, anchors, valid, B, attention_mask)
     anchors, targets, scored = anchors.to(dev), targets.to(dev), scored.to(dev)
     n = anchors.shape[1]
 
