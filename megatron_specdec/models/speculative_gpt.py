@@ -37,6 +37,7 @@ class SpeculativeGPTModel(MegatronModule):
         self.aux_layer_ids = self.method.aux_layer_ids(spec_cfg)
         self.carries_embeds = self.method.carries_embeds
         self.loss_chunk_rows = losses.LOSS_CHUNK_ROWS  # scored positions whose logits exist at once
+        self.scored_rows_bucket = 1  # scored positions rounded up to a multiple (losses.bucket_rows)
         # Read by megatron's finalize_model_grads: the frozen base's tied embedding has no
         # gradient to all-reduce between the first and last stage.
         self.share_embeddings_and_output_weights = False

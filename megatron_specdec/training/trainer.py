@@ -152,6 +152,7 @@ def _setup(recipe) -> _Run:
     dataset = offline.training_dataset(recipe, model, tokenizer)
     opt = optimizer.DraftOptimizer(model.trainable_parameters(), recipe.optimizer,
                                    checkpoint.dtype_from_name(recipe.model.dtype))
+    model.scored_rows_bucket = recipe.data.length_bucket  # few GEMM shapes, as for lengths
     if opt.scaler is not None:  # float16: megatron's schedules scale the loss through this hook
         model.config.grad_scale_func = opt.scale_loss
     base = base_fingerprint.fingerprint(model.base, meta["hf_config"], recipe.model.dtype)

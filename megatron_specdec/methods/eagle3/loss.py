@@ -15,6 +15,10 @@ def loss(model, state, input_ids, loss_mask, attention_mask) -> dict:
     b, s = input_ids.shape
     masks = losses.chain_masks(loss_mask, attention_mask, cfg.ttt_steps)
     rows = masks[0].nonzero().squeeze(1)  # positions u step 0 scores, s-major over [s, b]
+    scored = rows.numel()
+    rows = losses.bucket_rows(rows, model.scored_rows_bucket)
+    row_masks = masks[:, rows]
+    row_masks[:, scored:] = 0  # the bucket's padding scores nothing
     residual = state.residual.reshape(s * b, 1, -1)
     targets = []
     for chunk in rows.split(model.loss_chunk_rows):  # base logits at u+1, a chunk at a time
@@ -29,5 +33,5 @@ def loss(model, state, input_ids, loss_mask, attention_mask) -> dict:
         aux, next_embeds, model.rotary_pos_emb(s), attention_mask, cfg.ttt_steps, rows)
     return losses.eagle3_loss(
         step_hidden, draft.head, torch.cat([t for t, _ in targets]),
-        torch.cat([top for _, top in targets]), masks[:, rows], draft.target_ids(),
+        torch.cat([top for _, top in targets]), row_masks, draft.target_ids(),
         draft.t2d, draft.vocab_offset, cfg.ttt_decay, model.loss_chunk_rows)

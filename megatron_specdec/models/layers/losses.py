@@ -127,6 +127,14 @@ def _shift_mask(loss_mask: Tensor, shift: int) -> Tensor:
     return out
 
 
+def bucket_rows(rows: Tensor, bucket: int) -> Tensor:
+    """Scored positions padded to a multiple of `bucket` by repeating the first. In bf16,
+    oneDNN keeps a kernel per GEMM shape, so a scored-row count new at each step grows memory
+    for hundreds of steps (bench/bench_soak.py); the caller masks the padded rows out."""
+    pad = -rows.numel() % bucket
+    return torch.cat([rows, rows[:1].expand(pad)]) if pad and rows.numel() else rows
+
+
 def next_token_mask(loss_mask: Tensor) -> Tensor:
     """[s, b] mask of the positions whose next token is scored."""
     return _shift_mask(loss_mask, 1)
