@@ -50,8 +50,9 @@ class DataConfig:
     seq_length: int = 2048
     pack: bool = True
     seed: int = 0
-    # A step computes up to its last real position rounded up to a multiple of this (1 = no
-    # rounding): bounded shapes keep per-shape kernel caches (oneDNN, bf16) from growing.
+    # A step computes up to its last real position, and the loss over its scored positions,
+    # each rounded up to a multiple of this (1 = no rounding): bounded shapes keep per-shape
+    # kernel caches (oneDNN, bf16) from growing.
     length_bucket: int = 64
     on_error: str = "skip"  # a bad jsonl row: skip (reported with file:line) or fail
     tokenizer: Optional[str] = None  # default: the model's tokenizer and chat template
