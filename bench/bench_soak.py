@@ -17,7 +17,13 @@ shapes, forward and backward) over row counts drawn like a step's length, 1 to
 data.seq_length, rounded up to data.length_bucket: the growth without the model around it.
 
     python bench/bench_soak.py --name soak_kernel_bf16_bucket1 --kernel bf16 \
-        data.seq_length=512 data.length_bucket=1 training.steps=600"""
+        data.seq_length=512 data.length_bucket=1 training.steps=600
+
+`--generate N` soaks generation instead: the recipe's model (model.path, model.dtype) answers
+N GSM8K questions one after another with the n-gram drafter (speculative verify forwards of a
+new length every round, no trained draft needed), a record after each answer.
+
+    python bench/bench_soak.py --name soak_generate_ngram_bf16 --generate 600"""
 
 import argparse
 import ctypes
@@ -192,6 +198,33 @@ def kernel_soak(dtype_name: str, recipe, sampler, seed: int = 0):
         sampler(step)
 
 
+def generation_soak(recipe, sampler, prompts: int, new_tokens: int = 64):
+    """`prompts` GSM8K questions (data/sources), each answered by speculative generation with
+    the n-gram drafter on the recipe's model."""
+    import torch
+
+    from megatron_specdec import convert, distributed, load_model
+    from megatron_specdec.data import load_tokenizer
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.checkpointing.checkpoint import dtype_from_name
+
+    distributed.initialize(1, 1)
+    loaded = load_model(recipe.model.path, dtype_from_name(recipe.model.dtype))
+    model = convert(loaded.model, "medusa", {"medusa_num_heads": 1}, loaded.hf_config).eval()
+    tokenizer = load_tokenizer(str(loaded.tokenizer_dir))
+    generator = SpeculativeGenerator(model, drafter_kind="ngram")
+    with open(ROOT / "data" / "sources" / "gsm8k_train.jsonl") as f:
+        questions = [json.loads(line)["question"] for _, line in zip(range(prompts), f)]
+    eos = (tokenizer.eos_token_id,)
+    with torch.inference_mode():
+        for step, question in enumerate(questions, 1):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            generator.generate(ids, new_tokens, eos)
+            sampler(step)
+
+
 def _cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -224,6 +257,8 @@ def main(argv=None):
                         "that was cut off")
     p.add_argument("--kernel", choices=("bf16", "float32"),
                    help="soak SmolLM2's linear layers alone in this dtype (no model, no data)")
+    p.add_argument("--generate", type=int, metavar="N",
+                   help="soak generation over N prompts instead of training (see above)")
     p.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = p.parse_args(argv)
     out = ROOT / "bench" / "results" / f"{args.name}.json"
@@ -258,6 +293,13 @@ def main(argv=None):
         meta["kernel"] = args.kernel
         kernel_soak(args.kernel, recipe, sampler)
         summary = {"steps": recipe.training.steps}
+    elif args.generate:
+        meta["generate"] = args.generate
+        try:
+            generation_soak(recipe, sampler, args.generate)
+        finally:
+            distributed.destroy()
+        summary = {"steps": args.generate}
     else:
         try:
             summary = train(recipe, on_step=sampler)
