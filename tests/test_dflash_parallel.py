@@ -10,28 +10,10 @@ import torch
 from megatron_specdec import distributed
 from workers import is_writer
 
-SEQ, MICRO_BATCH, NUM_MICRO, VOCAB = 16, 2, 2, 500
+from test_eagle3_parallel import MICRO_BATCH, NUM_MICRO, VOCAB, batches, tiny_hf_config  # same base
+
 DFLASH = {"block_size": 4, "anchors_per_sequence": 3, "target_layer_ids": [0, 1, 2],
           "num_layers": 2}
-
-
-def tiny_hf_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(num_hidden_layers=4, hidden_size=96, num_attention_heads=6,
-                       num_key_value_heads=3, intermediate_size=128, vocab_size=VOCAB,
-                       max_position_embeddings=64, tie_word_embeddings=True, rms_norm_eps=1e-5)
-
-
-def batches():
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(NUM_MICRO):
-        mask = torch.ones(MICRO_BATCH, SEQ)
-        mask[:, :4] = 0  # a "prompt" that is never scored
-        out.append({"input_ids": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-                    "loss_mask": mask})
-    return out
 
 
 def build(hf_draft=None):
