@@ -20,10 +20,13 @@ def build_parser():
     p.add_argument("--prompt", action="append", required=True,
                    help="a user message (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most")
+    p.add_argument("--prompt-bucket", type=int, default=None,
+                   help="prompts are left-padded to a multiple of this many tokens (few "
+                        "prefill shapes; default: generation.PROMPT_BUCKET)")
     return p
 
 
-def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
+def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1, prompt_bucket=None):
     """Greedy answers to `prompts` (user messages); collective over the model-parallel group."""
     from transformers import AutoTokenizer
 
@@ -41,7 +44,7 @@ def chat(model_path, prompts, max_new_tokens=128, tp=1, pp=1):
            for p in prompts]
     start = time.time()
     out = plain_generate(model, ids, max_new_tokens, config.vocab_size,
-                         eos_ids=end_of_turn_ids(tokenizer))
+                         eos_ids=end_of_turn_ids(tokenizer), prompt_bucket=prompt_bucket)
     seconds = time.time() - start
     return [tokenizer.decode(o) for o in out], sum(map(len, out)) / seconds
 
@@ -50,7 +53,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     from megatron_specdec.distributed import is_rank0
 
-    answers, speed = chat(args.model, args.prompt, args.max_new_tokens, args.tp, args.pp)
+    answers, speed = chat(args.model, args.prompt, args.max_new_tokens, args.tp, args.pp,
+                          args.prompt_bucket)
     if is_rank0():
         for prompt, answer in zip(args.prompt, answers):
             print(f"\n>>> {prompt}\n{answer}")

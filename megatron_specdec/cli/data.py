@@ -61,6 +61,14 @@ def _backend_args(p):
         "'default'). bfloat16 is for GPUs: on the 2-core AVX512-BF16 CPU it generated at 0.65x "
         "float32's tokens/s (batch 64, bench/bench_regenerate.py)",
     )
+    p.add_argument(
+        "--prompt-bucket",
+        type=int,
+        default=None,
+        help="megatron backend: prompt batches are left-padded to a multiple of this many "
+        "tokens, so a long run meets few prefill shapes (bf16 keeps a kernel per shape; "
+        "default: generation.PROMPT_BUCKET)",
+    )
     p.add_argument("--url", help="openai backend: server root, e.g. http://127.0.0.1:8000")
     p.add_argument(
         "--model",
@@ -103,6 +111,7 @@ def _backend(args):
     backend = MegatronBackend(
         args.model or "default", load_tokenizer(args.tokenizer) if args.tokenizer else None,
         args.dtype,
+        args.prompt_bucket,
     )
     return backend, backend.tokenizer
 

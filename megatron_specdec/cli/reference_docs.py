@@ -94,6 +94,9 @@ MEANINGS = {
     "checkpointing.keep_last": "checkpoints kept in `directory` (older ones are removed)",
     "evaluation.num_prompts": "prompts of `prompts` each evaluation generates",
     "evaluation.max_new_tokens": "tokens generated per prompt in an evaluation",
+    "evaluation.prompt_bucket": "an evaluation batch's prompts are left-padded to a multiple "
+                                "of this many tokens, so few prefill shapes occur (default: "
+                                "generation.PROMPT_BUCKET)",
     "logging.tensorboard": "write TensorBoard scalars to output_dir/tensorboard",
     "logging.progress_bar": "show a progress bar on rank 0",
     "eagle3.eagle_num_layers": "draft decoder layers",

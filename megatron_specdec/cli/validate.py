@@ -50,6 +50,10 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts generated together (rows accept ragged counts)")
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
+    p.add_argument("--prompt-bucket", type=int, default=None,
+                   help="a batch's prompts are left-padded to a multiple of this many tokens, "
+                        "so a long run meets few prefill shapes (bf16 keeps a kernel per shape; "
+                        "default: generation.PROMPT_BUCKET)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     return p
@@ -142,7 +146,8 @@ def _worker(args):
                                  compare_greedy=not args.no_greedy, tree=tree_spec(args),
                                  drafter=args.drafter, policy=args.draft_policy,
                                  sampling=sampling_of(args), draft_model=args.draft_model,
-                                 batch_size=args.batch_size, typical=typical_of(args))
+                                 batch_size=args.batch_size, typical=typical_of(args),
+                                 prompt_bucket=args.prompt_bucket)
     if is_rank0():
         print(format_report(report))
         print(f"full report: {Path(args.out) / 'acceptance.json'} (plot: acceptance.png)")

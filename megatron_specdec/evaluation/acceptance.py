@@ -74,7 +74,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
                         policy="adaptive", sampling=None, draft_model=None, batch_size=1,
-                        typical=None):
+                        typical=None, prompt_bucket=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
     `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram,
     draft_model, ... (registry names; default: the model's own draft module; `draft_model`: the
@@ -82,7 +82,8 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     `sampling`: an inference.sampling.Sampling (the batch from prompt i on uses seed + i; the
     baseline is then plain sampling, and outputs are not compared); `batch_size`: prompts
     per batch; `typical`: a sampling.TypicalAcceptance (Medusa, lossy) instead of rejection
-    sampling.
+    sampling; `prompt_bucket`: a batch's prompts are padded to a multiple of this many tokens
+    (generation.left_pad; None: its default).
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -102,7 +103,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model, num_draft_tokens, tree=tree, policy=policy,
                                      drafter_kind=drafter, draft_model=draft_model,
-                                     typical=typical)
+                                     typical=typical, prompt_bucket=prompt_bucket)
     sampled = sampling is not None and not sampling.greedy
     seed = (sampling.seed or 0) if sampled else 0
     records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
@@ -120,7 +121,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                 generator=torch.Generator().manual_seed(settings.seed))
             start = time.perf_counter()
             plain = plain_generate(model.base, ids, max_new_tokens, model.vocab_size, eos,
-                                   **knobs)
+                                   prompt_bucket=prompt_bucket, **knobs)
             greedy_time += time.perf_counter() - start
             plain_tokens += sum(len(p) for p in plain)
             identical += sum(p == r.tokens for p, r in zip(plain, results))

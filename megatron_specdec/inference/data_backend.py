@@ -5,6 +5,7 @@ A thin adapter over `megatron_specdec.loading.source.load_model` and
 package (and the OpenAI path) never pull in Megatron. Single process (tp=pp=1).
 """
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -14,9 +15,11 @@ from megatron_specdec.data.conversations import end_of_turn_ids, load_tokenizer
 
 class MegatronBackend:
     """`tokenizer` defaults to the one stored with the checkpoint; `dtype` ("float32",
-    "bfloat16" or None: the checkpoint's own) is the parameters'."""
+    "bfloat16" or None: the checkpoint's own) is the parameters'; `prompt_bucket`: see
+    generation.left_pad."""
 
-    def __init__(self, checkpoint: str = "default", tokenizer=None, dtype: Optional[str] = None):
+    def __init__(self, checkpoint: str = "default", tokenizer=None, dtype: Optional[str] = None,
+                 prompt_bucket: Optional[int] = None):
         from megatron_specdec.checkpointing import checkpoint as ckpt
         from megatron_specdec import distributed
         from megatron_specdec.inference.generation import plain_generate
@@ -27,7 +30,7 @@ class MegatronBackend:
                             with_draft=False)
         self.model, config, tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
-        self._generate = plain_generate
+        self._generate = partial(plain_generate, prompt_bucket=prompt_bucket)
         self._vocab_size = config.vocab_size
         self._eos_ids = end_of_turn_ids(self.tokenizer)
 

@@ -7,11 +7,16 @@ the cache has its own length (layers.decode_attention.DecodeCache): a row's toke
 slots and RoPE positions they would have alone, whatever the batch.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 # Greedy plain_generate drops finished rows once they are 1/_DROP_SHARE of the batch.
 _DROP_SHARE = 4
+
+# Prompt batches are left-padded to a multiple of this many tokens (left_pad).
+PROMPT_BUCKET = 32
 
 
 class StageRunner:
@@ -134,16 +139,22 @@ class StageRunner:
         return tensor
 
 
-def left_pad(prompts, pad_id: int, device=None):
+def left_pad(prompts, pad_id: int, device=None, bucket: Optional[int] = None):
     """[b, L] tokens and [b] lengths of a ragged batch of prompts (the chunk
-    StageRunner.step takes with `counts`)."""
+    StageRunner.step takes with `counts`), L the longest prompt rounded up to a multiple of
+    `bucket` (None: PROMPT_BUCKET). In bf16 oneDNN keeps a kernel per GEMM shape: a prefill
+    of a new length per prompt grew a long generation's memory without bound
+    (bench/bench_soak.py --generate); the padding is masked like a shorter row's."""
     if not prompts:
         raise ValueError("prompts: need a batch of at least one prompt")
+    bucket = PROMPT_BUCKET if bucket is None else bucket
+    if bucket < 1:
+        raise ValueError(f"prompt_bucket: expected a positive integer, got {bucket}")
     empty = [i for i, p in enumerate(prompts) if len(p) == 0]
     if empty:
         raise ValueError(f"prompts: every prompt needs at least one token; prompt {empty[0]} "
                          f"of the batch is empty")
-    length = max(len(p) for p in prompts)
+    length = -(-max(len(p) for p in prompts) // bucket) * bucket
     tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, length - len(p):] = torch.as_tensor(p, dtype=torch.long)
@@ -153,19 +164,20 @@ def left_pad(prompts, pad_id: int, device=None):
 @torch.no_grad()
 def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids=(),
                    temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                   top_k: int = 0):
+                   top_k: int = 0, prompt_bucket: Optional[int] = None):
     """Plain (non-speculative) generation, greedy or sampled: continuations of `prompts`
     (lists of token ids), stopping a row at any id in `eos_ids` (not included in its
     result) or after `max_new_tokens`. `vocab_size` is the unpadded
     vocabulary. Greedy by default; `temperature` > 0 samples (after top-k, then top-p) from
     the last stage's `generator`, as decoding.sampling.Sampling does for speculative
-    sampling; data synthesis uses it to draw diverse prompts. All model-parallel ranks call
+    sampling; data synthesis uses it to draw diverse prompts. The batch is padded to a
+    multiple of `prompt_bucket` tokens (left_pad). All model-parallel ranks call
     this with the same prompts; every rank returns the result."""
     from megatron_specdec.inference.sampling import Sampling
     from megatron_specdec.distributed import device
 
     sampler = Sampling(temperature, top_k, top_p)  # checks each setting, naming the bad one
-    tokens, lengths = left_pad(prompts, 0, device())
+    tokens, lengths = left_pad(prompts, 0, device(), prompt_bucket)
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=tokens.device)

@@ -51,6 +51,7 @@ from megatron_specdec.acceptance import (
 )
 from megatron_specdec.inference.base_runner import BaseOutput, BaseRunner
 from megatron_specdec.inference.draft_policy import DraftPolicy
+from megatron_specdec.inference.generation import left_pad
 from megatron_specdec.inference.sampling import Sampling, TypicalAcceptance
 from megatron_specdec.inference.tree import TreeSpec, ancestors, verify_layout
 
@@ -139,13 +140,17 @@ class SpeculativeGenerator:
     medusa, ngram, draft_model, ...; default: the model's module); `draft_model`: the draft
     checkpoint of a method that needs one. `typical`: verify sampled chains of a method that
     allows it (Medusa) with typical acceptance (sampling.TypicalAcceptance: lossy) instead of
-    rejection sampling. Calls run one after another; each starts from a clean state (the
-    drafter restarts per call)."""
+    rejection sampling. `prompt_bucket`: prompt batches are padded to a multiple of this many
+    tokens (generation.left_pad), so the base's and drafter's prefills meet few shapes.
+    Calls run one after another; each starts from a clean state (the drafter restarts per
+    call)."""
 
     def __init__(self, model, num_draft_tokens: int = None, drafter=None,
                  tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None,
-                 draft_model=None, typical: TypicalAcceptance = None):
+                 draft_model=None, typical: TypicalAcceptance = None,
+                 prompt_bucket: Optional[int] = None):
         self.model = model
+        self.prompt_bucket = prompt_bucket
         self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
                   else num_draft_tokens)
         method = check_drafter_kind(model, drafter_kind)
@@ -184,9 +189,9 @@ class SpeculativeGenerator:
         sampling's distribution; a seed reproduces the batch's output); `self.typical`:
         Medusa's typical acceptance instead (lossy). Every rank returns the results."""
         from megatron_specdec.distributed import device
-        from megatron_specdec.inference.generation import left_pad
 
-        tokens, lengths = left_pad(prompts, 0, device())  # names an empty prompt
+        # left_pad names an empty prompt.
+        tokens, lengths = left_pad(prompts, 0, device(), self.prompt_bucket)
         sampling = sampling if sampling is not None and not sampling.greedy else None
         if self.typical is not None and (sampling is None or sampling.top_k
                                          or sampling.top_p < 1):

@@ -20,7 +20,7 @@ def run(recipe, model, tokenizer, step: int, reporter) -> dict:
         model, e.prompts, tokenizer, max_new_tokens=e.max_new_tokens,
         num_draft_tokens=e.draft_tokens, num_prompts=e.num_prompts,
         out_dir=Path(recipe.output_dir) / "evaluation" / f"step_{step:07d}",
-        compare_greedy=False, progress=False,
+        compare_greedy=False, progress=False, prompt_bucket=e.prompt_bucket,
         policy="fixed")  # a learning curve measures the draft at every position, not the policy
     model.train()
     overall = report["overall"]

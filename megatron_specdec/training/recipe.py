@@ -108,6 +108,7 @@ class EvaluationConfig:
     num_prompts: int = 8
     max_new_tokens: int = 64
     draft_tokens: int = 7  # chain length
+    prompt_bucket: Optional[int] = None  # prompts padded to a multiple (None: generation's)
 
 
 @dataclass
