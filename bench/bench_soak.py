@@ -21,9 +21,17 @@ data.seq_length, rounded up to data.length_bucket: the growth without the model 
 
 `--generate N` soaks generation instead: the recipe's model (model.path, model.dtype) answers
 N GSM8K questions one after another with the n-gram drafter (speculative verify forwards of a
-new length every round, no trained draft needed), a record after each answer.
+new length every round, no trained draft needed), --new-tokens each at most, a record after
+each answer. Prompts are padded to a multiple of --prompt-bucket tokens (generation.left_pad;
+1: the exact lengths, as before the bucket).
 
-    python bench/bench_soak.py --name soak_generate_ngram_bf16 --generate 600"""
+    python bench/bench_soak.py --name soak_generate_ngram_bf16 --generate 600
+
+`--regenerate N` soaks data regeneration (data.regenerate with the Megatron backend, as
+`python -m megatron_specdec.cli.data regenerate` runs it): N GSM8K questions answered greedily
+in batches of --batch-size, a record after each batch.
+
+    python bench/bench_soak.py --name soak_generate_regenerate_bf16 --regenerate 1000"""
 
 import argparse
 import ctypes
@@ -198,7 +206,7 @@ def kernel_soak(dtype_name: str, recipe, sampler, seed: int = 0):
         sampler(step)
 
 
-def generation_soak(recipe, sampler, prompts: int, new_tokens: int = 64):
+def generation_soak(recipe, sampler, prompts: int, new_tokens: int, bucket: int):
     """`prompts` GSM8K questions (data/sources), each answered by speculative generation with
     the n-gram drafter on the recipe's model."""
     import torch
@@ -212,7 +220,7 @@ def generation_soak(recipe, sampler, prompts: int, new_tokens: int = 64):
     loaded = load_model(recipe.model.path, dtype_from_name(recipe.model.dtype))
     model = convert(loaded.model, "medusa", {"medusa_num_heads": 1}, loaded.hf_config).eval()
     tokenizer = load_tokenizer(str(loaded.tokenizer_dir))
-    generator = SpeculativeGenerator(model, drafter_kind="ngram")
+    generator = SpeculativeGenerator(model, drafter_kind="ngram", prompt_bucket=bucket)
     with open(ROOT / "data" / "sources" / "gsm8k_train.jsonl") as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(prompts), f)]
     eos = (tokenizer.eos_token_id,)
@@ -223,6 +231,33 @@ def generation_soak(recipe, sampler, prompts: int, new_tokens: int = 64):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             generator.generate(ids, new_tokens, eos)
             sampler(step)
+
+
+class _SampledBackend:
+    """A generation backend that records a soak step after each batch it answers."""
+
+    def __init__(self, backend, sampler):
+        self.backend, self.sampler, self.batches = backend, sampler, 0
+
+    def generate(self, prompts, max_new_tokens, messages=None):
+        out = self.backend.generate(prompts, max_new_tokens, messages)
+        self.batches += 1
+        self.sampler(self.batches)
+        return out
+
+
+def regeneration_soak(recipe, sampler, prompts: int, new_tokens: int, bucket: int,
+                      batch_size: int, out_path: Path):
+    """`prompts` GSM8K questions answered by data.regenerate through the Megatron backend
+    (the recipe's model and dtype), a record after each batch."""
+    from megatron_specdec.data.regenerate import regenerate
+    from megatron_specdec.data.sources import read_sources
+    from megatron_specdec.inference.data_backend import MegatronBackend
+
+    backend = MegatronBackend(recipe.model.path, dtype=recipe.model.dtype, prompt_bucket=bucket)
+    rows = read_sources(["gsm8k"], ROOT / "data" / "sources")[:prompts]
+    return regenerate(rows, _SampledBackend(backend, sampler), backend.tokenizer, out_path,
+                      batch_size, new_tokens, progress=False)
 
 
 def _cpu_model() -> str:
@@ -259,6 +294,15 @@ def main(argv=None):
                    help="soak SmolLM2's linear layers alone in this dtype (no model, no data)")
     p.add_argument("--generate", type=int, metavar="N",
                    help="soak generation over N prompts instead of training (see above)")
+    p.add_argument("--regenerate", type=int, metavar="N",
+                   help="soak data regeneration over N prompts instead of training (see above)")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="--generate/--regenerate: tokens per answer at most")
+    p.add_argument("--prompt-bucket", type=int, default=None,
+                   help="--generate/--regenerate: prompts padded to a multiple of this many "
+                        "tokens (default: generation.PROMPT_BUCKET; 1: exact lengths)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="--regenerate: prompts answered together")
     p.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = p.parse_args(argv)
     out = ROOT / "bench" / "results" / f"{args.name}.json"
@@ -293,21 +337,35 @@ def main(argv=None):
         meta["kernel"] = args.kernel
         kernel_soak(args.kernel, recipe, sampler)
         summary = {"steps": recipe.training.steps}
-    elif args.generate:
-        meta["generate"] = args.generate
+    elif args.generate or args.regenerate:
+        from megatron_specdec.inference.generation import PROMPT_BUCKET
+
+        bucket = PROMPT_BUCKET if args.prompt_bucket is None else args.prompt_bucket
+        meta.update(generate=args.generate, regenerate=args.regenerate,
+                    new_tokens=args.new_tokens, prompt_bucket=bucket,
+                    model_dtype=recipe.model.dtype)
         try:
-            generation_soak(recipe, sampler, args.generate)
+            if args.generate:
+                generation_soak(recipe, sampler, args.generate, args.new_tokens, bucket)
+                summary = {"steps": args.generate}
+            else:
+                meta["batch_size"] = args.batch_size
+                stats = regeneration_soak(recipe, sampler, args.regenerate, args.new_tokens,
+                                          bucket, args.batch_size,
+                                          Path(workdir) / "regenerated.jsonl")
+                summary = {"steps": len(sampler.rows), "rows": stats.written,
+                           "completion_tokens": stats.completion_tokens,
+                           "seconds_this_run": stats.seconds}
         finally:
             distributed.destroy()
-        summary = {"steps": args.generate}
     else:
         try:
             summary = train(recipe, on_step=sampler)
         finally:
             distributed.destroy()
     meta["load_average_end"] = os.getloadavg()
-    sampler.write({k: summary[k] for k in ("steps", "final_loss", "seconds_this_run")
-                   if k in summary})
+    sampler.write({k: summary[k] for k in ("steps", "final_loss", "seconds_this_run", "rows",
+                                           "completion_tokens") if k in summary})
     plot(json.loads(out.read_text()), png)
     print(json.dumps(analyse(sampler.rows, args.from_step), indent=1))
 
