@@ -16,7 +16,7 @@ import torch.distributed as dist
 _DROP_SHARE = 4
 
 # Prompt batches are left-padded to a multiple of this many tokens (left_pad).
-PROMPT_BUCKET = 32
+PROMPT_BUCKET = 16
 
 
 class StageRunner:
