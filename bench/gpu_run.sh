@@ -142,7 +142,7 @@ fi
 
 # the stochastic chain's kernels under Nsight Compute (B=64 K=8 vocab 128256)
 if [ $dry = 0 ]; then
-  run ncu 120 ncu --kernel-name regex:"row_stats|chain|typical|tree" --section SpeedOfLight --section LaunchStats \
+  run ncu 120 ncu --kernel-name regex:"row_stats|stochastic|stop_|chain|typical|tree" --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
     "$py" bench/bench_acceptance.py --device cuda --vocab 128256 --repeats 1 --only "stochastic_chain B=64 K=8"
 else
