@@ -2,10 +2,13 @@
 while versions are committed never finds it missing; the rename-aside commit this replaced
 failed 98 such polls in one run of this loop), old versions are removed, a directory written
 before links were used is replaced, and a user's own link is replaced without touching its
-target."""
+target. `atomic_output`, the one way exports write a directory, commits whole or not at
+all."""
 
 import os
 import threading
+
+import pytest
 
 from megatron_specdec.checkpointing import checkpoint
 
@@ -66,3 +69,16 @@ def test_users_link_replaced_but_its_target_kept(tmp_path):
     assert (elsewhere / "v").read_text() == "user's"
     checkpoint.remove_dir(path)
     assert not path.exists() and (elsewhere / "v").read_text() == "user's"
+
+
+def test_atomic_output_commits_whole_or_leaves_the_old_directory(tmp_path):
+    out = tmp_path / "export"
+    with checkpoint.atomic_output(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert out.is_dir() and not out.is_symlink() and (out / "config.json").read_text() == "{}"
+    with pytest.raises(RuntimeError, match="half written"):
+        with checkpoint.atomic_output(out) as tmp:
+            (tmp / "weights.bin").write_text("partial")
+            raise RuntimeError("half written")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["export"], "a temporary directory was left behind"

@@ -107,12 +107,11 @@ def export_hf(ckpt_dir, out_dir, dtype=None, overwrite=False, max_shard_mb=None)
 
     checkpoint.check_output_dir(out_dir, overwrite)
     source = draft_source.read_draft(ckpt_dir, NAME)
-    tmp = checkpoint.atomic_dir(out_dir)
-    save_file({"lm_head.weight": source.tensors["proj.weight"].contiguous()},
-              str(tmp / "toy_head.safetensors"))
-    (tmp / "config.json").write_text(json.dumps({"architectures": ["ToyHead"],
-                                                 "hidden_size": source.hf_config.hidden_size}))
-    checkpoint.commit_dir(tmp, out_dir, linked=False)
+    with checkpoint.atomic_output(out_dir) as tmp:
+        save_file({"lm_head.weight": source.tensors["proj.weight"].contiguous()},
+                  str(tmp / "toy_head.safetensors"))
+        (tmp / "config.json").write_text(json.dumps({"architectures": ["ToyHead"],
+                                                     "hidden_size": source.hf_config.hidden_size}))
     return Path(out_dir)
 
 

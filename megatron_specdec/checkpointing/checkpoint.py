@@ -26,6 +26,7 @@ them to other machines, where a link would dangle. A new one is renamed into pla
 atomically; one replaced with --overwrite is moved aside first (a brief gap).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -91,6 +92,20 @@ def atomic_dir(path):
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     return tmp
+
+
+@contextlib.contextmanager
+def atomic_output(path, linked: bool = False):
+    """`with atomic_output(out_dir) as tmp:` write the directory's files under `tmp`; they
+    become `out_dir` in one rename when the block ends, and nothing is left when it raises.
+    `linked`: as commit_dir (exports and HF directories are plain directories)."""
+    tmp = atomic_dir(path)
+    try:
+        yield tmp
+        commit_dir(tmp, path, linked=linked)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def commit_dir(tmp, path, linked: bool = True):

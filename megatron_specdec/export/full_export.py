@@ -8,7 +8,6 @@ e.g. `vllm serve out/base --speculative-config '{"method": "eagle3", "model": "o
 because the EAGLE reference runtime finds the base embedding through it.
 """
 
-import shutil
 from pathlib import Path
 
 from megatron_specdec import registry
@@ -32,12 +31,7 @@ def export_full(ckpt_dir, out_dir, overwrite=False):
     export_hf = registry.get(algo).export_hf
     if export_hf is None:
         raise checkpoint.CheckpointError(f"{ckpt_dir}: a {algo} draft has no HF export")
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         export_hf(ckpt_dir, tmp / algo)
         hf_conversion.megatron_to_hf(ckpt_dir, tmp / BASE_DIR, index=True)
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)

@@ -182,15 +182,8 @@ def megatron_to_hf(ckpt_dir, out_dir, overwrite=False, max_shard_mb=DEFAULT_MAX_
         mapping.Geometry.from_hf(config, meta["padding"]), n,
         groups=[(None,)] + [(i,) for i in range(n)])  # non-layer tensors, then layer by layer
     limit = None if max_shard_mb is None else int(max_shard_mb * 2**20)
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         hf_config_for_export(config, meta["dtype"]).save_pretrained(tmp)
         files.write_sharded(tmp, specs, stream, limit, index=index, metadata={"format": "pt"})
         checkpoint.copy_tokenizer(Path(ckpt_dir) / checkpoint.TOKENIZER_DIR, tmp)
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)

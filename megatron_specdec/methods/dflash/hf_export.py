@@ -1,7 +1,6 @@
 """The registry's export/import hooks for DFlash: a speculative or training checkpoint (any
 saved TP/PP) <-> vLLM's DFlashDraftModel directory (hf_weights holds the layout)."""
 
-import shutil
 from pathlib import Path
 
 from megatron_specdec import registry
@@ -24,13 +23,8 @@ def export_dflash(ckpt_dir, out_dir, dtype=None, overwrite=False, max_shard_mb=N
     state = dict(stream)
     torch_dtype = checkpoint.dtype_from_name(dtype_name)
     config = hf_weights.hf_config(source.hf_config, source.cfg, geo, torch_dtype)
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         hf_weights.write_export(tmp, config, state, torch_dtype)
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)
 
 

@@ -121,13 +121,6 @@ def export_eagle3(ckpt_dir, out_dir, dtype=None, overwrite=False, max_shard_mb=N
     source = draft_source.read_draft(ckpt_dir, "eagle3")
     specs, stream = hf_stream(source, dtype)
     config = hf_config(source.hf_config, source.cfg, dtype or source.meta["dtype"])
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         write_stream(tmp, config, specs, stream, max_shard_mb)
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)

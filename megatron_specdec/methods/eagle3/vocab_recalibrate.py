@@ -86,15 +86,8 @@ def recalibrate(draft_dir, base_hf_dir, data, out_dir, draft_vocab_size=None, ma
     tensors = dict(tensors, **{"lm_head.weight": rows, "d2t": vocab.d2t.to(tensors["d2t"].dtype),
                                "t2d": vocab.t2d})
     config = dict(config, draft_vocab_size=size)
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         eagle3_hf.write(tmp, config, tensors, max_shard_mb)
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("draft vocabulary %d: %d tokens kept, %d new (rows mapped from the base's); calibration "
              "coverage %.4f -> %.4f", size, result.kept, result.added, result.coverage_before,
              result.coverage_after)

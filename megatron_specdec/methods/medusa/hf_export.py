@@ -53,14 +53,7 @@ def export_medusa(ckpt_dir, out_dir, dtype=None, overwrite=False):
     specs, stream = draft_source.hf_stream(medusa.rules(cfg), source, geo, cfg.medusa_num_heads,
                                            dtype)
     config = hf_config(source.hf_config, cfg, dtype or source.meta["dtype"])
-    tmp = checkpoint.atomic_dir(out_dir)
-    try:
+    with checkpoint.atomic_output(out_dir) as tmp:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         files.write_sharded(tmp, specs, stream, weights_name=WEIGHTS, metadata={"format": "pt"})
-        checkpoint.commit_dir(tmp, out_dir, linked=False)
-    finally:
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
     return Path(out_dir)
