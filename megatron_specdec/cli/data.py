@@ -1,8 +1,8 @@
 """Training data for a draft: the target model's own answers to prompts (regenerate), prompts
-it writes itself (synthesize) or about given passages (ground), the draft vocabulary
-(calibrate), and the prompt sources (sources).
+it writes itself (synthesize), about given passages (ground) or of the task kinds users ask
+(tasks), the draft vocabulary (calibrate), and the prompt sources (sources).
 
-    python -m megatron_specdec.cli.data {regenerate,synthesize,ground,calibrate,sources} --help
+    python -m megatron_specdec.cli.data {regenerate,synthesize,ground,tasks,calibrate,sources} --help
 """
 
 import logging
@@ -167,6 +167,20 @@ def _ground(args):
     grounded.write_prompts(rows, args.out)
 
 
+def _tasks(args):
+    from megatron_specdec.data import tasks
+    from megatron_specdec.data.conversations import load_tokenizer
+
+    kinds = tasks.check_kinds(args.kinds.split(","))
+    root = tasks.stdlib_dir(args.stdlib)
+    tokenizer = load_tokenizer(args.tokenizer)
+    train, heldout = tasks.build_tasks(
+        root, lambda text: len(tokenizer.encode(text)), kinds, args.train_per_kind,
+        args.heldout_per_kind, args.seed)
+    tasks.write_rows(train, args.out)
+    tasks.write_rows(heldout, args.heldout_out)
+
+
 def _read_prefixes(path) -> list:
     """One prefix a line; blank lines and lines starting with '#' are skipped."""
     return [text for _, text in read_list_file(path, "--user-prefixes", "prefixes")]
@@ -285,6 +299,23 @@ def build_parser():
                    help="bad input rows (default: skip)")
     p.add_argument("--out", required=True, help="prompts jsonl ({id, prompt})")
     p.set_defaults(func=_ground)
+
+    p = sub.add_parser(
+        "tasks",
+        help="prompts of task kinds (long summaries, passage QA, extraction, translation, code) "
+        "from CPython's own docs and sources, with a held-out split on other documents",
+    )
+    p.add_argument("--out", required=True, help="training prompts jsonl(.gz)")
+    p.add_argument("--heldout-out", required=True, help="held-out prompts jsonl(.gz)")
+    p.add_argument("--kinds", default="summarize_long,passage_qa,extraction,translation,code",
+                   help="comma-separated task kinds (default: %(default)s)")
+    p.add_argument("--train-per-kind", type=int, default=100, help="training prompts per kind")
+    p.add_argument("--heldout-per-kind", type=int, default=16, help="held-out prompts per kind")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and the split")
+    p.add_argument("--stdlib", help="CPython stdlib directory (default: this interpreter's)")
+    p.add_argument("--tokenizer", default="default",
+                   help="HF tokenizer dir that measures long documents (default: SmolLM2's)")
+    p.set_defaults(func=_tasks)
 
     p = sub.add_parser("calibrate", help="build the draft vocabulary (d2t, t2d) from conversations")
     p.add_argument("--data", nargs="+", required=True, help="conversations jsonl file(s)")
