@@ -100,8 +100,10 @@ CODE_REQUESTS = {
                 "```python\n{code}\n```\n\nWhat does this code do? Explain it briefly."),
     "document": ("Write a docstring for this Python function.\n\n```python\n{code}\n```",
                  "Add comments and a docstring to the following code.\n\n```python\n{code}\n```"),
-    "fix": ("This function has a bug. Find it and give the corrected code.\n\n```python\n{code}\n```",
-            "My function does not work as intended. What is wrong with it?\n\n```python\n{code}\n```"),
+    "fix": ("This function has a bug. Find it and give the corrected code.\n\n"
+            "```python\n{code}\n```",
+            "My function does not work as intended. What is wrong with it?\n\n"
+            "```python\n{code}\n```"),
     "write": ("Write a Python function `{signature}` that does the following: {summary}",
               "Implement `{signature}` in Python. {summary}"),
 }
@@ -112,8 +114,11 @@ BUGS = ((" <= ", " < "), (" >= ", " > "), (" == ", " != "), (" + 1", " - 1"), ("
 
 @dataclass(frozen=True)
 class TaskRow:
+    """One prompt; `category` repeats `kind` because `validate` groups its report by it."""
+
     id: str
     kind: str
+    category: str
     prompt: str
     document: str
     package: str
@@ -248,12 +253,12 @@ def text_items(doc: str, path: str, text: str, count: Callable[[str], int], lo: 
                         .format(lang=rng.choice(LANGUAGES), text=" ".join(par.split())))
 
 
-def _question(name: str, node: ast.FunctionDef, doc: str, rng: random.Random) -> Optional[str]:
+def _question(name: str, node: ast.FunctionDef, doc: str, rng: random.Random) -> str:
     params = [a.arg for a in node.args.args + node.args.kwonlyargs
               if a.arg not in ("self", "cls") and re.search(rf"\b{re.escape(a.arg)}\b", doc)]
     fits = {"param": bool(params), "return": "return" in doc.lower(),
             "raise": bool(re.search(r"rais|Error", doc)), "any": True}
-    what, template = rng.choice([q for q in QUESTIONS if fits[q[0]]])
+    _, template = rng.choice([q for q in QUESTIONS if fits[q[0]]])
     return template.format(name=name, param=rng.choice(params) if params else "")
 
 
@@ -342,21 +347,23 @@ def build_tasks(root: Path, count: Callable[[str], int], kinds: Sequence[str] = 
                 chosen.extend(it for it in pool if it.document == doc)
         heldout[kind] = chosen
     version = f"cpython-{platform.python_version()}"
-    held, per_kind = [], []
+    held_per_kind, per_kind = [], []
     for kind in kinds:
         pick = random.Random(f"{seed}:{kind}")
         h = heldout[kind]
-        held.extend(pick.sample(h, min(heldout_per_kind, len(h))))
+        held_per_kind.append(pick.sample(h, min(heldout_per_kind, len(h))))
         pool = [it for it in by_kind[kind] if it.document not in heldout_docs]
         per_kind.append(pick.sample(pool, min(train_per_kind, len(pool))))
-    # Blocks of one kind, kinds in turn: a batch pads to one kind's lengths (long documents
-    # do not widen code batches) and a run cut short still answers every kind.
+    # Held-out kinds in turn, so `validate --num-prompts 5n` reads n of each. Training rows in
+    # blocks of one kind, kinds in turn: a batch pads to one kind's lengths (long documents do
+    # not widen code batches) and a run cut short still answers every kind.
+    held = [it for i in range(heldout_per_kind) for rows in held_per_kind for it in rows[i:i + 1]]
     train = [it for start in range(0, train_per_kind, TRAIN_BLOCK) for rows in per_kind
              for it in rows[start:start + TRAIN_BLOCK]]
 
     def rows(items, split):
-        return [TaskRow(f"tasks-{split}-{seed}-{i:05d}", it.kind, it.prompt, it.document,
-                        version, it.path, LICENCE) for i, it in enumerate(items)]
+        return [TaskRow(f"tasks-{split}-{seed}-{i:05d}", it.kind, it.kind, it.prompt,
+                        it.document, version, it.path, LICENCE) for i, it in enumerate(items)]
     return rows(train, "train"), rows(held, "heldout")
 
 
