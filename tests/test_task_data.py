@@ -85,9 +85,23 @@ def test_committed_splits_apart():
         with opener(path, "rt", encoding="utf-8") as f:
             return [json.loads(line) for line in f]
     train = rows(REPO / "data" / "smollm2_task_prompts.jsonl.gz")
+    train += rows(REPO / "data" / "smollm2_task_prompts_long.jsonl.gz")
     heldout = rows(REPO / "data" / "smollm2_tasks_heldout.jsonl")
     assert {r["kind"] for r in train} == {r["kind"] for r in heldout} == set(tasks.KINDS)
     assert {r["document"] for r in train}.isdisjoint({r["document"] for r in heldout})
+
+
+def test_long_out_takes_the_long_documents(stdlib, tmp_path):
+    out, long_out, heldout = tmp_path / "t.jsonl.gz", tmp_path / "l.jsonl.gz", tmp_path / "h.jsonl"
+    assert main(["tasks", "--stdlib", str(stdlib), "--train-per-kind", "10",
+                 "--heldout-per-kind", "2", "--out", str(out), "--long-out", str(long_out),
+                 "--heldout-out", str(heldout)]) == 0
+    kinds = [json.loads(line)["kind"] for line in gzip.open(out, "rt", encoding="utf-8")]
+    long_kinds = [json.loads(line)["kind"] for line in gzip.open(long_out, "rt", encoding="utf-8")]
+    assert sorted(set(kinds)) == sorted(set(tasks.KINDS) - {"summarize_long"}) and len(kinds) == 40
+    assert long_kinds == ["summarize_long"] * 10
+    held = [json.loads(line)["category"] for line in open(heldout, encoding="utf-8")]
+    assert held == list(tasks.KINDS) * 2
 
 
 def test_unknown_kind_refused_in_one_line(tmp_path, caplog):

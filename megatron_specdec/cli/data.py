@@ -177,6 +177,9 @@ def _tasks(args):
     train, heldout = tasks.build_tasks(
         root, lambda text: len(tokenizer.encode(text)), kinds, args.train_per_kind,
         args.heldout_per_kind, args.seed)
+    if args.long_out:
+        tasks.write_rows([r for r in train if r.kind == "summarize_long"], args.long_out)
+        train = [r for r in train if r.kind != "summarize_long"]
     tasks.write_rows(train, args.out)
     tasks.write_rows(heldout, args.heldout_out)
 
@@ -307,6 +310,8 @@ def build_parser():
     )
     p.add_argument("--out", required=True, help="training prompts jsonl(.gz)")
     p.add_argument("--heldout-out", required=True, help="held-out prompts jsonl(.gz)")
+    p.add_argument("--long-out", help="training summarize_long prompts go here instead of --out, "
+                   "to be answered at a smaller batch (a batch pads to its longest prompt)")
     p.add_argument("--kinds", default="summarize_long,passage_qa,extraction,translation,code",
                    help="comma-separated task kinds (default: %(default)s)")
     p.add_argument("--train-per-kind", type=int, default=100, help="training prompts per kind")

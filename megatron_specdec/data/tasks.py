@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 KINDS = ("summarize_long", "passage_qa", "extraction", "translation", "code")
 LICENCE = "PSF-2.0"
-TRAIN_BLOCK = 16
 TOPICS_PATH = "pydoc_data/topics.py"
 # Plain-text documents shipped in the stdlib: IDLE's change logs (names, dates, issue numbers)
 # and notes, and the licence history of Python itself.
@@ -354,12 +353,9 @@ def build_tasks(root: Path, count: Callable[[str], int], kinds: Sequence[str] = 
         held_per_kind.append(pick.sample(h, min(heldout_per_kind, len(h))))
         pool = [it for it in by_kind[kind] if it.document not in heldout_docs]
         per_kind.append(pick.sample(pool, min(train_per_kind, len(pool))))
-    # Held-out kinds in turn, so `validate --num-prompts 5n` reads n of each. Training rows in
-    # blocks of one kind, kinds in turn: a batch pads to one kind's lengths (long documents do
-    # not widen code batches) and a run cut short still answers every kind.
+    # Held-out kinds in turn, so `validate --num-prompts 5n` reads n of each.
     held = [it for i in range(heldout_per_kind) for rows in held_per_kind for it in rows[i:i + 1]]
-    train = [it for start in range(0, train_per_kind, TRAIN_BLOCK) for rows in per_kind
-             for it in rows[start:start + TRAIN_BLOCK]]
+    train = [it for rows in per_kind for it in rows]
 
     def rows(items, split):
         return [TaskRow(f"tasks-{split}-{seed}-{i:05d}", it.kind, it.kind, it.prompt,
