@@ -74,15 +74,20 @@ def check_output_dir(path, overwrite: bool, what: str = "output directory"):
         raise FileExistsError(f"{what} {path} exists and is not empty; pass --overwrite to replace it")
 
 
-def write_text_atomic(path, text: str):
-    """`text` into the file `path`: written and synced beside it, then renamed into place."""
+def write_bytes_atomic(path, data: bytes):
+    """`data` into the file `path`: written and synced beside it, then renamed into place."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_text_atomic(path, text: str):
+    """`text` (UTF-8) into the file `path`, as write_bytes_atomic."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def atomic_dir(path):
@@ -95,14 +100,14 @@ def atomic_dir(path):
 
 
 @contextlib.contextmanager
-def atomic_output(path, linked: bool = False):
+def atomic_output(path):
     """`with atomic_output(out_dir) as tmp:` write the directory's files under `tmp`; they
-    become `out_dir` in one rename when the block ends, and nothing is left when it raises.
-    `linked`: as commit_dir (exports and HF directories are plain directories)."""
+    become the plain directory `out_dir` (exports, HF directories) in one rename when the
+    block ends, and nothing is left when it raises."""
     tmp = atomic_dir(path)
     try:
         yield tmp
-        commit_dir(tmp, path, linked=linked)
+        commit_dir(tmp, path, linked=False)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

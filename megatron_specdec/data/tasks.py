@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from megatron_specdec.checkpointing.checkpoint import write_text_atomic
+from megatron_specdec.checkpointing.checkpoint import write_bytes_atomic
 from megatron_specdec.data.jsonl import DataError
 
 log = logging.getLogger(__name__)
@@ -366,18 +366,9 @@ def build_tasks(root: Path, count: Callable[[str], int], kinds: Sequence[str] = 
 def write_rows(rows: Sequence[TaskRow], out) -> None:
     """jsonl at `out` (.gz compressed), written to a temporary file and renamed into place."""
     import gzip
-    import os
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in rows)
-    if out.suffix != ".gz":
-        write_text_atomic(out, text)
-    else:
-        tmp = out.with_name(f".{out.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(gzip.compress(text.encode("utf-8"), mtime=0))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+    data = "".join(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    write_bytes_atomic(out, gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
     log.info("%d task prompts -> %s", len(rows), out)
