@@ -26,7 +26,6 @@ def test_prefix_stops_where_the_user_text_starts():
     assert "You are a pirate" in tokenizer.decode(user_turn_prefix(tokenizer, "You are a pirate."))
 
 
-@pytest.mark.slow
 def test_sampling_is_reproducible_per_seed(backend):
     prefix = user_turn_prefix(backend.tokenizer)
     first = backend.sample([prefix, prefix], 12, 1.0, 1.0, seed=1)
@@ -35,7 +34,6 @@ def test_sampling_is_reproducible_per_seed(backend):
     assert first[0] != first[1]  # rows of one batch draw different tokens
 
 
-@pytest.mark.slow
 def test_resumed_synthesis_equals_an_uninterrupted_one(backend, tmp_path):
     args = dict(batch_size=3, max_new_tokens=64, seed=5, min_chars=1, progress=False)
     whole = synthesize_prompts(backend, backend.tokenizer, tmp_path / "a.jsonl", 6, **args)

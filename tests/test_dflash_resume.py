@@ -19,7 +19,7 @@ def argv(model, data, out, steps, interval):
     return base + [f"{k}={v}" for k, v in DFLASH.items()]
 
 
-@pytest.mark.slow  # three short runs: ~3.5 min on the loaded 2-core machine
+@pytest.mark.slow  # three short runs; a bf16 stop and resume: test_train_precision (default)
 def test_dflash_bf16_stop_and_resume_is_exact(tmp_path):
     model = ts.make_tiny_model(tmp_path / "model")
     data = ts.write_conversations(tmp_path / "conv.jsonl")
@@ -34,7 +34,7 @@ def test_dflash_bf16_stop_and_resume_is_exact(tmp_path):
     assert want[0] != want[-1]  # it trains
 
 
-@pytest.mark.slow  # two short runs
+@pytest.mark.slow  # two short runs; offline mode itself: test_train_runs (default)
 def test_dflash_offline_matches_online(tmp_path):
     """Offline training (the base's states stored once, then replayed) gives online's losses:
     the loss reads only the stored aux states and the re-embedded anchors."""

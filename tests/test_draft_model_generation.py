@@ -72,7 +72,10 @@ def identity_worker(tp, pp, draft_dir, out_file):
         torch.save({"greedy": greedy, **results}, out_file)
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+# TP=2 and PP=2 are slow: test_speculative_batch runs the draft-model drafter, fixed and
+# adaptive, at both layouts with each row equal to plain greedy.
+@pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                   pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_draft_model_speculation_equals_greedy(tp, pp, tmp_path):
     out = tmp_path / "out.pt"
     distributed.spawn(identity_worker, tp * pp, tp, pp, str(tmp_path / "draft"), str(out))

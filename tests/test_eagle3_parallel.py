@@ -197,7 +197,10 @@ def _close(a, b, tol=1e-5):
                           torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+# TP2xPP2 is slow: it composes what tp2 and pp2 check apart (test_dflash_parallel and
+# test_train_runs check TP and PP the same way).
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)],
+                         ids=["tp2", "pp2", "tp2xpp2"])
 def test_parallel_layouts_match_single_process(reference, tmp_path, tp, pp):
     out = tmp_path / "out.pt"
     distributed.spawn(layout_worker, tp * pp, tp, pp, reference["drafts"], str(out))
@@ -228,6 +231,9 @@ def test_reference_is_meaningful(reference):
         assert all(x > 0 for x in rep["step_loss"])
 
 
+# Slow: test_reshard loads a TP=2 dist checkpoint at PP=2 with the same loss, and
+# test_import_draft saves speculative checkpoints at TP=2 and PP=2 and reads them back bitwise.
+@pytest.mark.slow
 def test_save_tp2_load_pp2_same_loss(reference, tmp_path):
     saved, loaded = tmp_path / "saved.pt", tmp_path / "loaded.pt"
     distributed.spawn(save_worker, 2, 2, 1, reference["drafts"], str(tmp_path / "ckpt"), str(saved))

@@ -173,7 +173,6 @@ def _resume_matches(setup, name, reference):
     return summary
 
 
-@pytest.mark.slow
 def test_sigkill_during_checkpoint_write_resumes_previous_bitwise(setup, reference):
     result, codes, _ = _run(_argv(setup, "sigkill_save"), "sigkill_in_save")
     assert result is None and codes == [-signal.SIGKILL], (result, codes)
@@ -186,7 +185,6 @@ def test_sigkill_during_checkpoint_write_resumes_previous_bitwise(setup, referen
     assert (ckpt / "step_0000004.corrupt").is_dir()  # kept aside, not deleted
 
 
-@pytest.mark.slow
 def test_disk_full_during_checkpoint_write_keeps_latest(setup, reference):
     result, codes, _ = _run(_argv(setup, "disk_full"), "fsize_after_3")
     assert isinstance(result, str) and result.startswith("error: CheckpointError"), result
@@ -200,7 +198,7 @@ def test_disk_full_during_checkpoint_write_keeps_latest(setup, reference):
     assert summary["resumed_from"].endswith("step_0000002")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a second disk-full fault: test_disk_full_during_checkpoint_write_keeps_latest
 def test_disk_full_during_final_export_names_the_checkpoint(setup, reference):
     result, codes, _ = _run(_argv(setup, "export_full"), "fsize_in_export")
     assert isinstance(result, str) and "writing the trained model to" in result, result
@@ -212,7 +210,6 @@ def test_disk_full_during_final_export_names_the_checkpoint(setup, reference):
     assert summary["steps_this_run"] == 0 and (out / "final").is_dir(), summary
 
 
-@pytest.mark.slow
 def test_sigterm_checkpoints_the_step_and_exits_cleanly(setup, reference):
     result, codes, _ = _run(_argv(setup, "sigterm"), "sigterm_at_3")
     assert codes == [0] and isinstance(result, dict), (result, codes)
@@ -240,7 +237,6 @@ def test_changed_data_refused_naming_the_file(setup, reference, tmp_path):
     assert f"data.train[0] {data} changed" in result, result
 
 
-@pytest.mark.slow
 def test_tp2_rank_killed_other_stops_with_clear_error(setup):
     argv = _argv(setup, "tp2_kill", **{"parallelism.tp": 2})
     result, codes, seconds = _run(argv, "rank1_killed_at_2", world=2, timeout=300)

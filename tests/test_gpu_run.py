@@ -12,7 +12,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_gpu_run_dry_run(tmp_path):
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", "bench/gpu_run.sh", "--dry-run", "--out", str(out)], cwd=REPO,

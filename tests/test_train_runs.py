@@ -80,7 +80,6 @@ def test_parallel_layout_matches_tp1(setup, reference, tp, pp):
     _close(ts.losses(out), reference, 1e-5)
 
 
-@pytest.mark.slow
 def test_offline_matches_online(setup, reference):
     root, model, data = setup
     out = root / "offline"
