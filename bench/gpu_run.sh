@@ -69,19 +69,7 @@ run() {
   return $status
 }
 
-if [ $dry = 0 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$out/wheels.log" 2>&1 || { echo "installing .whl/ failed: see $out/wheels.log"; exit 1; }
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-# SmolLM2 travels in parts, one a call (bench/gpu_model_parts.py); joined here once all came
-if [ $dry = 0 ] && [ -f .whl/smollm2/manifest.json ]; then
-  if "$py" bench/gpu_model_parts.py join --dir .whl/smollm2 --target /tmp/site > "$out/model_parts.log" 2>&1; then
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
-  else
-    cat "$out/model_parts.log"
-  fi
-fi
+[ $dry = 1 ] || . bench/gpu_setup.sh
 if [ $dry = 1 ]; then
   device=cpu vocab="512" seqs="64" shape=tiny prompts=2 tokens=8 repeats=1
 else
