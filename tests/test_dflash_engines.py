@@ -11,16 +11,16 @@ import pytest
 
 from megatron_specdec import distributed
 
-pytestmark = [pytest.mark.engines, pytest.mark.slow]
+pytestmark = pytest.mark.engines
 CHECK = Path(__file__).resolve().parents[1] / "megatron_specdec/methods/dflash/vllm_load_check.py"
 
 
 K, CONTEXT = 7, 10
 
 
-def _export_worker(hf_dir, out_dir, parity_file=None):
-    """Export a fresh SmolLM2 DFlash draft; with `parity_file`, also the project's block
-    logits after CONTEXT random context states (pending token 42)."""
+def _export_worker(hf_dir, out_dir, parity_file):
+    """Export a fresh SmolLM2 DFlash draft, and the project's block logits after CONTEXT
+    random context states (pending token 42)."""
     import torch
 
     from megatron_specdec.loading.hf_conversion import model_from_hf, read_hf_config
@@ -34,8 +34,6 @@ def _export_worker(hf_dir, out_dir, parity_file=None):
     hf = read_hf_config(hf_dir)
     spec = convert(base, "dflash", {"num_layers": 1}, hf_config=hf)
     hf_weights.export_model(spec, hf, out_dir)
-    if parity_file is None:
-        return
     draft = spec.draft
     aux = torch.randn(CONTEXT, 1, len(spec.aux_layer_ids) * hf.hidden_size,
                       generator=torch.Generator().manual_seed(0))
@@ -49,13 +47,21 @@ def _export_worker(hf_dir, out_dir, parity_file=None):
     torch.save({"aux": aux[:, 0], "pending": 42, "k": K, "logits": logits}, parity_file)
 
 
-def test_vllm_dflash_class_loads_every_tensor(default_hf_dir, tmp_path):
+@pytest.fixture(scope="module")
+def exported(default_hf_dir, module_tmp):
+    """One export (and its parity logits) that both tests read: the files are not changed."""
+    root = module_tmp("dflash")
+    draft, parity = root / "dflash", root / "parity.pt"
+    distributed.spawn(_export_worker, 1, str(default_hf_dir), str(draft), str(parity))
+    return draft, parity
+
+
+def test_vllm_dflash_class_loads_every_tensor(default_hf_dir, exported, tmp_path):
     """... and its modules, composed as qwen3_dflash.py composes them, give the project's
     block logits (float32)."""
     from megatron_specdec.engines.vllm_client import vllm_python
 
-    draft, parity = tmp_path / "dflash", tmp_path / "parity.pt"
-    distributed.spawn(_export_worker, 1, str(default_hf_dir), str(draft), str(parity))
+    draft, parity = exported
     out = tmp_path / "check.json"
     proc = subprocess.run([str(vllm_python()), str(CHECK), str(default_hf_dir), str(draft),
                            str(out), str(parity)], capture_output=True, text=True, timeout=900,
@@ -72,15 +78,14 @@ def test_vllm_dflash_class_loads_every_tensor(default_hf_dir, tmp_path):
     assert r["parity"]["max_abs_diff"] <= 1e-4 * max(1.0, r["parity"]["logit_scale"]), r["parity"]
 
 
-def test_vllm_cpu_serves_dflash_losslessly(default_hf_dir, tmp_path):
+def test_vllm_cpu_serves_dflash_losslessly(default_hf_dir, exported):
     """vLLM-CPU runs `method: "dflash"` end to end (V1 runner, non-causal CPU attention): the
     speculative output equals vLLM's greedy output and drafts are made (an untrained draft is
     accepted rarely: acceptance is the trained draft's figure, not this test's)."""
     from megatron_specdec.engines import verify_export
     from megatron_specdec.engines import vllm_client as vllm
 
-    draft = tmp_path / "dflash"
-    distributed.spawn(_export_worker, 1, str(default_hf_dir), str(draft))
+    draft = exported[0]
     prompts = verify_export.chat_prompts(default_hf_dir)[:2]
     runs = vllm.generate(default_hf_dir, prompts, 24, {
         "greedy": None,

@@ -93,29 +93,38 @@ def test_batch_greedy_identity(model):
     assert [r.tokens for r in trees.generate_batch(PROMPTS, new)] == [g[:new] for g in greedy]
 
 
-@pytest.mark.slow
-def test_sampling_matches_plain_sampling(model):
-    from megatron_specdec.inference.generation import plain_generate
-    from megatron_specdec.inference.generator import SpeculativeGenerator
-    from megatron_specdec.inference.sampling import Sampling
+SAMPLED = 3  # tokens per sampled run
 
-    new = 3
+
+@pytest.fixture(scope="module")
+def plain_samples(model):
+    """Plain sampling's tokens over the RUNS seeds, drawn once for both drafting shapes."""
+    from megatron_specdec.inference.generation import plain_generate
 
     def plain(seed):
         rng = torch.Generator().manual_seed(seed)
-        return plain_generate(model.base, [PROMPT], new, HF["vocab_size"], generator=rng,
+        return plain_generate(model.base, [PROMPT], SAMPLED, HF["vocab_size"], generator=rng,
                               **SETTINGS)[0]
 
+    return _samples(plain)
+
+
+# Trees sampled from the block are slow: the chain here and test_speculative_sampling's EAGLE3
+# trees (default) check the same acceptance rule, and the DFlash trees' greedy identity is
+# test_batch_greedy_identity above.
+@pytest.mark.parametrize("shape", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+def test_sampling_matches_plain_sampling(model, plain_samples, shape):
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
     from megatron_specdec.inference.tree import TreeSpec
 
-    reference = _samples(plain)
-    for tree in (None, TreeSpec(3, 8)):  # chains, and trees sampled from the block
-        own = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
+    tree = TreeSpec(3, 8) if shape == "tree" else None  # trees sampled from the block
+    own = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
 
-        def with_draft_probs(seed):
-            return own.generate(PROMPT, new, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+    def with_draft_probs(seed):
+        return own.generate(PROMPT, SAMPLED, sampling=Sampling(**SETTINGS, seed=seed)).tokens
 
-        assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3, tree
+    assert _same_distribution(plain_samples, _samples(with_draft_probs)) > 1e-3, shape
 
 
 def _layout_worker(tp, pp, out_file):

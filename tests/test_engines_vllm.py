@@ -10,6 +10,9 @@ saved at TP=2 and exported by export_draft in fp32 and bf16, plus a two-layer dr
 - vLLM accepts the draft's tokens, and serves an export without d2t silently dead, which is
   why `export_draft --verify-with vllm` checks the files and the acceptance length;
 - `--verify-with vllm` passes the good export and names the fault of broken ones.
+
+The default suite serves the fp32 one-layer export; the bf16 and two-layer exports, n-gram
+drafting, the export without d2t and the Medusa / draft-model serving are marked slow.
 """
 
 import json
@@ -26,7 +29,7 @@ from megatron_specdec import distributed
 from megatron_specdec.engines import verify_export
 from megatron_specdec.engines import vllm_client as vllm
 
-pytestmark = [pytest.mark.engines, pytest.mark.slow]
+pytestmark = pytest.mark.engines
 
 NEW_TOKENS = 32
 K = 3
@@ -79,34 +82,67 @@ def base_tp2(vllm_env, module_tmp):
 
 
 @pytest.fixture(scope="module")
-def served(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
-    """EAGLE3 exports (TP=2 checkpoints -> export_draft) and one vLLM process serving greedy
-    and every draft on the same prompts."""
-    from checkpoint_tools import export_draft
+def live(vllm_env, default_hf_dir):
+    """The fitted linear draft (tests/live_draft.py), fitted once for every depth written."""
+    import live_draft
+
+    return live_draft.fit(default_hf_dir, FIT_DATA, DRAFT_VOCAB)
+
+
+def speculative_tp2(live, base_dir, base_tp2, root, layers):
+    """The live draft with `layers` layers imported onto the TP=2 base (once per depth)."""
     from megatron_specdec.methods.eagle3.hf_import import import_eagle3
 
     import live_draft
 
-    root = module_tmp("engines")
-    live, exports = live_draft.fit(default_hf_dir, FIT_DATA, DRAFT_VOCAB), {}
-    for layers in (1, 2):
-        hf = live_draft.write(live, default_hf_dir, root / f"live{layers}", layers)
-        ckpt = root / f"spec{layers}_tp2"
+    ckpt = root / f"spec{layers}_tp2"
+    if not ckpt.exists():
+        hf = live_draft.write(live, base_dir, root / f"live{layers}", layers)
         import_eagle3(hf, base_tp2, ckpt, tp=2)
-        for dtype in (("float32", "bfloat16") if layers == 1 else ("float32",)):
-            out = root / f"export{layers}_{dtype}"
-            export_draft.main(["--model", str(ckpt), "--out", str(out), "--dtype", dtype])
-            exports[f"eagle3_{layers}layer_{dtype}"] = out
-    exports["no_d2t"] = broken(exports["eagle3_1layer_float32"], root / "no_d2t", drop="d2t")
-    # n-gram listed first: vLLM 0.32 builds no EAGLE3 engine after an n-gram one in a process,
-    # so the runner must order them (its results keep this order).
-    runs = {"greedy": None, "ngram": vllm.ngram_config(K),
-            **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}
+    return ckpt
+
+
+def export(ckpt, root, layers, dtype):
+    """export_draft of a TP=2 speculative checkpoint: name -> export directory."""
+    from checkpoint_tools import export_draft
+
+    out = root / f"export{layers}_{dtype}"
+    export_draft.main(["--model", str(ckpt), "--out", str(out), "--dtype", dtype])
+    return {f"eagle3_{layers}layer_{dtype}": out}
+
+
+@pytest.fixture(scope="module")
+def served(default_hf_dir, prompts, project_greedy, base_tp2, live, module_tmp):
+    """The one-layer EAGLE3 export (TP=2 checkpoint -> export_draft, fp32) and one vLLM
+    process serving greedy and the draft on the same prompts."""
+    root = module_tmp("engines")
+    exports = export(speculative_tp2(live, default_hf_dir, base_tp2, root, 1), root, 1,
+                     "float32")
+    runs = {"greedy": None, **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}
     results = vllm.generate(default_hf_dir, prompts, NEW_TOKENS, runs)
     (root / "vllm_results.json").write_text(json.dumps(
         {n: {k: v for k, v in vars(r).items() if k != "outputs"} for n, r in results.items()}))
     return {"root": root, "prompts": prompts, "exports": exports, "results": results,
             "project_greedy": [g[:NEW_TOKENS] for g in project_greedy]}
+
+
+@pytest.fixture(scope="module")
+def served_more(default_hf_dir, prompts, served, base_tp2, live):
+    """What the slow tests serve besides: the bf16 export of the same checkpoint, a two-layer
+    draft, the fp32 export without d2t and vLLM's n-gram drafting, in one more vLLM process
+    (with its own greedy run)."""
+    root = served["root"]
+    exports = {**export(root / "spec1_tp2", root, 1, "bfloat16"),
+               **export(speculative_tp2(live, default_hf_dir, base_tp2, root, 2), root, 2,
+                        "float32")}
+    exports["no_d2t"] = broken(served["exports"]["eagle3_1layer_float32"], root / "no_d2t",
+                               drop="d2t")
+    # n-gram listed first: vLLM 0.32 builds no EAGLE3 engine after an n-gram one in a process,
+    # so the runner must order them (its results keep this order).
+    runs = {"greedy": None, "ngram": vllm.ngram_config(K),
+            **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}
+    results = vllm.generate(default_hf_dir, prompts, NEW_TOKENS, runs)
+    return {"exports": exports, "results": results}
 
 
 def broken(src, dst, drop=None, rename=None, config=None):
@@ -131,30 +167,49 @@ def test_vllm_speculative_output_is_its_greedy_and_the_projects(served):
     results = served["results"]
     for name, result in results.items():
         assert result.error is None, (name, result.error, result.where)
-    assert list(results) == ["greedy", "ngram", *served["exports"]]
+    assert list(results) == ["greedy", *served["exports"]]
     greedy = results["greedy"].outputs
     assert greedy == served["project_greedy"], "vLLM greedy != the project's plain_generate"
-    for name in ("ngram", *served["exports"]):
+    for name in served["exports"]:
         assert results[name].outputs == greedy, name
         assert results[name].tokens == NEW_TOKENS * len(served["prompts"]), name
 
 
-def test_vllm_accepts_the_exported_draft(served):
-    results = served["results"]
-    for name in ("eagle3_1layer_float32", "eagle3_1layer_bfloat16", "eagle3_2layer_float32"):
-        r = results[name]
-        assert r.drafts > 0 and r.draft_tokens == K * r.drafts, name
-        assert r.acceptance_length >= verify_export.MIN_ACCEPTANCE_LENGTH, (name, r)
-        assert r.accepted_per_position[0] > 0, (name, r.accepted_per_position)
+# The bf16 and two-layer exports, and n-gram drafting, repeat the fp32 export's checks on
+# another dtype or depth, in a second vLLM process: slow.
+@pytest.mark.slow
+def test_vllm_serves_every_export_and_ngram_as_its_greedy(served, served_more):
+    results = served_more["results"]
+    for name, result in results.items():
+        assert result.error is None, (name, result.error, result.where)
+    assert list(results) == ["greedy", "ngram", *served_more["exports"]]
+    greedy = results["greedy"].outputs
+    assert greedy == served["project_greedy"], "vLLM greedy != the project's plain_generate"
+    for name in ("ngram", *served_more["exports"]):
+        assert results[name].outputs == greedy, name
+        assert results[name].tokens == NEW_TOKENS * len(served["prompts"]), name
 
 
-def test_vllm_serves_an_export_without_d2t_without_complaint(served):
+@pytest.mark.parametrize("name", ["eagle3_1layer_float32",
+                                  pytest.param("eagle3_1layer_bfloat16", marks=pytest.mark.slow),
+                                  pytest.param("eagle3_2layer_float32", marks=pytest.mark.slow)])
+def test_vllm_accepts_the_exported_draft(served, request, name):
+    results = (served if name in served["exports"] else request.getfixturevalue("served_more")
+               )["results"]
+    r = results[name]
+    assert r.drafts > 0 and r.draft_tokens == K * r.drafts, name
+    assert r.acceptance_length >= verify_export.MIN_ACCEPTANCE_LENGTH, (name, r)
+    assert r.accepted_per_position[0] > 0, (name, r.accepted_per_position)
+
+
+@pytest.mark.slow  # a fact about vLLM that test_verify_names_a_broken_export_before_serving acts on
+def test_vllm_serves_an_export_without_d2t_without_complaint(served, served_more):
     """vLLM loads it without an error (draft id d is served as target id d) and stays
     lossless: nothing in vLLM says the mapping is gone, so only a check of the files (below)
     catches it."""
-    r = served["results"]["no_d2t"]
+    r = served_more["results"]["no_d2t"]
     assert r.error is None and r.drafts > 0
-    assert r.outputs == served["results"]["greedy"].outputs
+    assert r.outputs == served_more["results"]["greedy"].outputs
 
 
 def test_export_draft_verify_with_vllm(served, capsys, caplog):
@@ -282,6 +337,9 @@ def served_heads(default_hf_dir, prompts, project_greedy, base_tp2, module_tmp):
     return {"results": results, "token": token, "project_greedy": project_greedy}
 
 
+# Medusa and the draft model are the second vLLM serving fixture (a conversion, a depth
+# pruning, four engines): slow; the EAGLE3 tests above serve an export in the default suite.
+@pytest.mark.slow
 def test_vllm_serves_medusa_and_a_draft_model_greedy_identical(served_heads):
     results, greedy = served_heads["results"], served_heads["project_greedy"]
     for name, result in results.items():
@@ -293,6 +351,7 @@ def test_vllm_serves_medusa_and_a_draft_model_greedy_identical(served_heads):
     assert results["draft_model"].accepted > 0, results["draft_model"]
 
 
+@pytest.mark.slow
 def test_vllm_keeps_the_medusa_biases_only_with_medusa_fc_bias(served_heads):
     """vLLM's counters equal, round for round, what the heads draft with their biases (every
     head: the chosen token) and, when config.json lacks medusa_fc_bias, without them (the
