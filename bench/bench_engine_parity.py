@@ -89,14 +89,14 @@ def project_side(model_dir, prompts, ks, max_new_tokens, eos):
     return out
 
 
-def vllm_side(method, base_dir, draft_dir, prompts, ks, max_new_tokens, eos):
+def vllm_side(method, base_dir, draft_dir, prompts, ks, max_new_tokens, eos, timeout):
     from megatron_specdec import registry
     from megatron_specdec.engines import vllm_client
 
     engine_config = registry.get(method).engine_config
     runs = {"greedy": None, **{f"{method} k={k}": engine_config(draft_dir, k).vllm for k in ks}}
     results = vllm_client.generate(base_dir, prompts, max_new_tokens, runs,
-                                   stop_token_ids=eos)
+                                   stop_token_ids=eos, timeout=timeout)
     for name, r in results.items():
         if r.error:
             raise RuntimeError(f"vLLM run {name!r} failed: {r.error} ({r.where})")
@@ -167,6 +167,9 @@ def main(argv=None):
                    help="every Nth question (3: one per category of the default --data)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--ks", type=int, nargs="+", default=[1, 3, 7])
+    p.add_argument("--vllm-timeout", type=float, default=7200,
+                   help="seconds vLLM's process may take for all runs (a loaded 2-core host "
+                        "needed more than 30 minutes for 24 prompts x 64 tokens x 3 engines)")
     p.add_argument("--out", default=None,
                    help="JSON report (default: bench/results/engine_parity[_<method>].json)")
     args = p.parse_args(argv)
@@ -190,7 +193,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     with ThreadPoolExecutor(1) as pool:  # vLLM's process runs while the project side does
         engine = pool.submit(vllm_side, method, base_dir, args.draft, prompts, args.ks,
-                             args.max_new_tokens, eos)
+                             args.max_new_tokens, eos, args.vllm_timeout)
         project = project_side(args.model, prompts, args.ks, args.max_new_tokens, eos)
         engine = engine.result()
     report = {
