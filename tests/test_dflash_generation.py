@@ -10,6 +10,7 @@ import torch
 
 from megatron_specdec import distributed
 from test_speculative_generation import HF, PROMPT
+import test_speculative_sampling as spec_sampling
 from test_speculative_sampling import SETTINGS, _samples, _same_distribution
 from workers import is_writer
 
@@ -93,20 +94,10 @@ def test_batch_greedy_identity(model):
     assert [r.tokens for r in trees.generate_batch(PROMPTS, new)] == [g[:new] for g in greedy]
 
 
-SAMPLED = 3  # tokens per sampled run
-
-
 @pytest.fixture(scope="module")
 def plain_samples(model):
-    """Plain sampling's tokens over the RUNS seeds, drawn once for both drafting shapes."""
-    from megatron_specdec.inference.generation import plain_generate
-
-    def plain(seed):
-        rng = torch.Generator().manual_seed(seed)
-        return plain_generate(model.base, [PROMPT], SAMPLED, HF["vocab_size"], generator=rng,
-                              **SETTINGS)[0]
-
-    return _samples(plain)
+    """Plain sampling's tokens (test_speculative_sampling's, drawn once for the same base)."""
+    return spec_sampling.plain_samples(model.base)
 
 
 # Trees sampled from the block are slow: the chain here and test_speculative_sampling's EAGLE3
@@ -122,7 +113,8 @@ def test_sampling_matches_plain_sampling(model, plain_samples, shape):
     own = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
 
     def with_draft_probs(seed):
-        return own.generate(PROMPT, SAMPLED, sampling=Sampling(**SETTINGS, seed=seed)).tokens
+        return own.generate(PROMPT, spec_sampling.NEW,
+                            sampling=Sampling(**SETTINGS, seed=seed)).tokens
 
     assert _same_distribution(plain_samples, _samples(with_draft_probs)) > 1e-3, shape
 

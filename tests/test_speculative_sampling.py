@@ -30,15 +30,33 @@ def greedy(model):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """Plain sampling's tokens over RUNS seeds."""
+    return plain_samples(model.base)
+
+
+_PLAIN = {}  # sha256 of a base's weights -> its plain samples
+
+
+def plain_samples(base):
+    """Plain sampling's tokens over RUNS seeds (PROMPT, SETTINGS, NEW tokens), drawn once per
+    base weights: test_dflash_generation's base is this seeded Llama too and reuses them."""
+    import hashlib
+
     from megatron_specdec.inference.generation import plain_generate
 
-    def plain(seed):
-        rng = torch.Generator().manual_seed(seed)
-        return plain_generate(model.base, [PROMPT], NEW, HF["vocab_size"], generator=rng,
-                              **SETTINGS)[0]
+    digest = hashlib.sha256()
+    for name, t in sorted(base.state_dict().items()):
+        if isinstance(t, torch.Tensor):
+            digest.update(name.encode())
+            digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    key = digest.hexdigest()
+    if key not in _PLAIN:
+        def plain(seed):
+            rng = torch.Generator().manual_seed(seed)
+            return plain_generate(base, [PROMPT], NEW, HF["vocab_size"], generator=rng,
+                                  **SETTINGS)[0]
 
-    return _samples(plain)
+        _PLAIN[key] = _samples(plain)
+    return _PLAIN[key]
 
 
 def _generator(model, greedy, cls=None, tree=None):
