@@ -1,9 +1,12 @@
-"""Import a Hugging Face EAGLE3 draft (LlamaForCausalLMEagle3 layout, as published by EAGLE,
-SpecForge and ModelOpt or written by export_draft.py) into a Megatron speculative checkpoint
-at any TP/PP, on top of a base (or speculative) checkpoint, to continue training.
+"""Import a Hugging Face draft into a Megatron speculative checkpoint at any TP/PP, on top of
+a base (or speculative) checkpoint, to continue training or to generate: an EAGLE3 draft
+(LlamaForCausalLMEagle3 layout, as published by EAGLE, SpecForge and ModelOpt or written by
+export_draft.py) or, with --method dflash, a DFlash block draft (vLLM's DFlashDraftModel).
 
     python checkpoint_tools/import_draft.py --draft runs/hf/eagle3 \\
         --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_eagle3 --tp 2
+    python checkpoint_tools/import_draft.py --method dflash --draft runs/hf/dflash \\
+        --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_dflash
 
 The draft must fit the base (hidden size, heads, MLP width, vocabulary, norm epsilon, rope);
 everything is checked before anything is written. Under torchrun (nproc = tp * pp) it uses
@@ -20,7 +23,10 @@ from megatron_specdec.cli.common import ArgumentParser, run_cli
 def build_parser():
     p = ArgumentParser(description=__doc__,
                        renamed={"--model_path": "--model", "--export_dir": "--out"})
-    p.add_argument("--draft", required=True, help="HF EAGLE3 draft directory")
+    p.add_argument("--draft", required=True, help="HF draft directory")
+    p.add_argument("--method", default="eagle3",
+                   help="the draft's method: eagle3 (default) or dflash; any registered method "
+                        "with an HF import")
     p.add_argument("--model", required=True,
                    help="base Megatron checkpoint (a speculative one: its draft is replaced)")
     p.add_argument("--out", required=True, help="speculative checkpoint directory to write")
@@ -33,11 +39,16 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
+    from megatron_specdec import registry
 
+    method = registry.get(registry.canonical(args.method))
+    if method.import_hf is None:
+        with_import = [n for n in registry.names() if registry.get(n).import_hf is not None]
+        raise ValueError(f"--method {args.method}: has no HF import; expected one of: "
+                         f"{', '.join(with_import)}")
     start = time.time()
-    import_eagle3(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
-                  overwrite=args.overwrite)
+    method.import_hf(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
+                     overwrite=args.overwrite)
     logging.getLogger("import_draft").info("wrote %s in %.1f s", args.out,
                                            time.time() - start)
 
