@@ -87,6 +87,9 @@ class TrainingConfig:
     # Megatron's --exit-duration-in-mins: past this many minutes of this run's wall time,
     # checkpoint the current step and stop (then the usual final export); 0 = off.
     exit_duration_mins: float = 0.0
+    # Megatron's --exit-interval: checkpoint and stop after a step that is a multiple of this,
+    # the lr schedule still that of training.steps (then the usual final export); 0 = off.
+    exit_interval: int = 0
     # Megatron's --profile-step-start/-end: steps [start, end) run under torch.profiler and
     # rank 0 writes the ops that took the most time (device time on a GPU) to
     # <output_dir>/profile.txt; empty = off.
@@ -193,6 +196,8 @@ def validate(r: Recipe):
            "training.global_batch_size", "must be a multiple of training.micro_batch_size")
     _check(r.training.exit_duration_mins >= 0, "training.exit_duration_mins",
            f"{r.training.exit_duration_mins}; must be >= 0 (0 = off)")
+    _check(r.training.exit_interval >= 0, "training.exit_interval",
+           f"{r.training.exit_interval}; must be >= 0 (0 = off)")
     _check(not r.training.profile_steps or (
         len(r.training.profile_steps) == 2 and 0 <= r.training.profile_steps[0]
         < r.training.profile_steps[1]), "training.profile_steps",

@@ -3,7 +3,8 @@ pipeline schedule (the base frozen, gradients only in the draft), data-parallel 
 averaging, global-norm clipping, AdamW on fp32 master weights, the lr schedule as a pure
 function of the step.
 Checkpoints every `checkpointing.interval` steps and at the end, or at the step where the run's
-wall time passes `training.exit_duration_mins` (Megatron's --exit-duration-in-mins) or a
+wall time passes `training.exit_duration_mins` (Megatron's --exit-duration-in-mins), at a
+multiple of `training.exit_interval` (Megatron's --exit-interval) or where a
 SIGTERM arrived (agreed by all ranks so every rank stops at the same step; a SIGTERM run
 writes no final/, the scheduler's grace time being short); the trained model is written
 to `<output_dir>/final`: base + draft module as a speculative checkpoint, or a distilled draft
@@ -132,7 +133,8 @@ def train(recipe, on_step=None) -> dict:
         "checkpoints": str(checkpoint_dir(recipe)), "dataset_rows": len(run.dataset),
         "tp": recipe.parallelism.tp, "pp": recipe.parallelism.pp, "dp": run.dp,
         "algo": run.model.spec_config.algo, "mode": recipe.training.mode,
-        # steps: training.steps reached; time_limit: exit_duration_mins; sigterm: a SIGTERM
+        # steps: training.steps reached; time_limit: exit_duration_mins; exit_interval: a
+        # multiple of exit_interval; sigterm: a SIGTERM
         "stopped": stopped,
     }
     run.reporter.close(summary)
@@ -207,8 +209,11 @@ def _loop(recipe, run: _Run, run_start: float, on_step):
                 on_step(state.step)
             reporter.step(state.step, last, lr, grad_norm,
                           recipe.training.global_batch_size * recipe.data.seq_length)
+            exit_interval = recipe.training.exit_interval
             if state.step < total:
-                if _time_is_up(run_start, recipe.training.exit_duration_mins):
+                if exit_interval and state.step % exit_interval == 0:
+                    stopped = "exit_interval"
+                elif _time_is_up(run_start, recipe.training.exit_duration_mins):
                     stopped = "time_limit"
                 elif termination.agreed():
                     stopped = "sigterm"

@@ -1,7 +1,8 @@
 """training.exit_duration_mins (Megatron's --exit-duration-in-mins): a run past its wall-time
 limit checkpoints the step it reached and stops, still exports final/, and its summary says it
 stopped on the limit; a limit it never reaches changes nothing; a negative one is refused by
-key."""
+key. training.exit_interval (Megatron's --exit-interval): a run stops at the first multiple,
+checkpointed, and the same command resumes it to the next stop on the unchanged schedule."""
 
 import json
 
@@ -43,7 +44,26 @@ def test_limit_not_reached_runs_all_steps(setup):
     assert summary["stopped"] == "steps" and summary["steps"] == 2, summary
 
 
+def test_exit_interval_stops_at_multiples_and_resumes_on_the_same_schedule(setup):
+    root, model, data = setup
+    out, whole = root / "interval", root / "whole"
+    argv = ts.overrides(model, data, out, **{"training.exit_interval": 2,
+                                            "checkpointing.interval": 0})
+    first = ts.run(argv)
+    assert first["stopped"] == "exit_interval" and first["steps"] == 2, first
+    assert [p.name for p in checkpoints.checkpoints_in(out / "checkpoints")] == \
+        [checkpoints.step_dir(out / "checkpoints", 2).name]
+    assert (out / "final").is_dir() and any((out / "final").iterdir())
+    second = ts.run(argv)  # resumes at 2; step 4 is training.steps, where every run ends
+    assert second["stopped"] == "steps" and second["steps"] == 4, second
+    ts.run(ts.overrides(model, data, whole, **{"checkpointing.interval": 0}))
+    assert ts.losses(out) == pytest.approx(ts.losses(whole), abs=1e-6)
+
+
 def test_negative_limit_refused_by_key():
     with pytest.raises(RecipeError, match=r"key 'training.exit_duration_mins'.*>= 0"):
         load_recipe(None, ["output_dir=/tmp/x", "model.path=default", "data.train=[a.jsonl]",
                            "training.steps=3", "training.exit_duration_mins=-1"])
+    with pytest.raises(RecipeError, match=r"key 'training.exit_interval'.*>= 0"):
+        load_recipe(None, ["output_dir=/tmp/x", "model.path=default", "data.train=[a.jsonl]",
+                           "training.steps=3", "training.exit_interval=-1"])
