@@ -1,14 +1,20 @@
 """DFlash vs EAGLE3 from scratch at equal training tokens on the same data: both recipes'
 drafts trained with the same sequences, order, length, batch and step count (so the same
-input tokens), learning curves of both in one plot (per-position top-1 accuracy of the
-scored tokens, and the greedy acceptance length those accuracies imply,
-1 + sum_k prod_{i<=k} acc_i, an estimate from teacher-forced accuracies, not a measured AL).
+input tokens), learning curves of both in one plot: the greedy acceptance length measured on
+held-out prompts at every checkpoint, and the per-position top-1 accuracy of the scored tokens
+with the acceptance length those imply, 1 + sum_k prod_{i<=k} acc_i (an estimate from
+teacher-forced accuracies, not a measured AL).
 
     python bench/bench_block_drafter.py --steps 30 --seq-length 256 --global-batch-size 2
+    # the recipes as shipped (rows of 512, 8 a step, 1600-step schedule), their first 250 steps:
+    python bench/bench_block_drafter.py --steps 250 --schedule-steps 1600 --seq-length 512 \
+        --global-batch-size 8 --warmup 50 --checkpoint-interval 50 --al-prompts 8
 
-Writes bench/results/block_drafter_vs_eagle3_from_scratch.json and .png (CPU model, commit
+Writes bench/results/<--name>.json and .png (CPU model, commit
 and load average recorded). Each run is `python -m megatron_specdec.cli.train` on its recipe
-(recipes/eagle3_smollm2.yaml, recipes/dflash_smollm2.yaml) with the overrides below.
+(recipes/eagle3_smollm2.yaml, recipes/dflash_smollm2.yaml) with the overrides below; runs
+resume, so an interrupted bench continues where it stopped. Checkpoints are measured through
+the product's path: export_draft, import_draft onto the run's final checkpoint, validate.
 """
 
 import argparse
@@ -45,48 +51,61 @@ def implied_al(accuracy) -> float:
 
 
 def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
-    overrides = [f"output_dir={out_dir}", f"training.steps={args.steps}",
+    overrides = [f"output_dir={out_dir}", f"training.steps={args.schedule_steps or args.steps}",
                  f"data.seq_length={args.seq_length}",
                  f"training.global_batch_size={args.global_batch_size}",
                  "training.micro_batch_size=1", f"optimizer.warmup_steps={args.warmup}",
-                 "checkpointing.interval=0", "checkpointing.resume=false",
-                 "evaluation.interval=0", "logging.interval=1"]
+                 f"checkpointing.interval={args.checkpoint_interval}",
+                 f"checkpointing.keep_last={args.steps // max(args.checkpoint_interval, 1) + 1}",
+                 "checkpointing.resume=true", "evaluation.interval=0", "logging.interval=1"]
+    if args.schedule_steps and args.schedule_steps > args.steps:
+        overrides.append(f"training.exit_interval={args.steps}")
     if algo == "dflash":  # blocks tiling the whole row: every position scored, as EAGLE3 does
         overrides.append(f"draft.config.anchors_per_sequence={args.seq_length // 8}")
-    log = open(out_dir.with_suffix(".log"), "w")
+    log = open(out_dir.with_suffix(".log"), "a")
     return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
                              RECIPES[algo], *overrides], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT)
 
 
+def _checkpoint_steps(out_dir: Path) -> list:
+    from megatron_specdec.training import checkpoints
+
+    return sorted(int(p.name.rsplit("_", 1)[1])
+                  for p in checkpoints.checkpoints_in(out_dir / "checkpoints"))
+
+
 def _finished(out_dir: Path, steps: int) -> bool:
-    log = out_dir / "train_log.jsonl"
-    return log.is_file() and any(json.loads(line).get("event") == "end"
-                                 and json.loads(line)["step"] == steps
-                                 for line in log.read_text().splitlines())
+    return (out_dir / "final").is_dir() and steps in _checkpoint_steps(out_dir)
 
 
 def curve(out_dir: Path) -> list:
-    rows = []
+    """The logged steps (a resumed run's repeated steps once, the last record kept)."""
+    rows = {}
     for line in (out_dir / "train_log.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "accuracy" in r:
-            rows.append({"step": r["step"], "loss": r["loss"], "accuracy": r["accuracy"],
-                         "implied_al": implied_al(r["accuracy"])})
-    return rows
+            rows[r["step"]] = {"step": r["step"], "loss": r["loss"], "accuracy": r["accuracy"],
+                               "implied_al": implied_al(r["accuracy"])}
+    return [rows[step] for step in sorted(rows)]
 
 
 def held_out_prompts(path: Path, n: int) -> Path:
-    """GSM8K training questions far past the ones the committed data answers (its first
-    4,080): prompts neither draft trained on (never MT-bench)."""
-    rows = (REPO / "data/sources/gsm8k_train.jsonl").read_text().splitlines()[7000:7000 + n]
-    path.write_text("".join(json.dumps({"prompt": json.loads(r)["question"]}) + "\n"
-                            for r in rows))
+    """n GSM8K training questions far past the ones the committed data answers (its first
+    4,080) and the first n of the task split held out from training
+    (data/smollm2_tasks_heldout.jsonl: code, extraction, passage QA, long summaries,
+    translation in turn): prompts neither draft trained on; never MT-bench."""
+    gsm8k = (REPO / "data/sources/gsm8k_train.jsonl").read_text().splitlines()[7000:7000 + n]
+    tasks = (REPO / "data/smollm2_tasks_heldout.jsonl").read_text().splitlines()[:n]
+    rows = [{"prompt": json.loads(r)["question"], "category": "gsm8k"} for r in gsm8k]
+    rows += [{"prompt": t["prompt"], "category": t["category"]} for t in map(json.loads, tasks)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 def measure(ckpt: str, prompts: str, out: str, max_new_tokens: int):
-    """Greedy acceptance length of a trained checkpoint (chain of 7, fixed), in this process."""
+    """Greedy acceptance length of a speculative checkpoint (chain of 7, fixed), in this
+    process."""
     from megatron_specdec.evaluation.acceptance import evaluate_acceptance
 
     report = evaluate_acceptance(ckpt, prompts, max_new_tokens=max_new_tokens,
@@ -95,12 +114,30 @@ def measure(ckpt: str, prompts: str, out: str, max_new_tokens: int):
     Path(out).write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
-def measured(work: Path, algo: str, args) -> dict:
-    prompts = held_out_prompts(work / "held_out_prompts.jsonl", args.al_prompts)
-    out = work / f"{algo}_acceptance.json"
-    subprocess.run([sys.executable, __file__, "--measure", str(work / algo / "final"),
-                    str(prompts), str(out), "--al-new-tokens", str(args.al_new_tokens)],
-                   cwd=REPO, check=True)
+def _tool(*argv):
+    subprocess.run([sys.executable, *argv], cwd=REPO, check=True)
+
+
+def measured(work: Path, algo: str, step: int, final_step: int, args) -> dict:
+    """The measured acceptance of `algo`'s checkpoint at `step` (kept in
+    work/<algo>_acceptance_<step>.json; a rerun reads it back)."""
+    out = work / f"{algo}_acceptance_{step:07d}.json"
+    if not out.is_file():
+        run = work / algo
+        spec = run / "final"
+        if step != final_step:  # the checkpoint's draft on the final checkpoint's base
+            from megatron_specdec.training import checkpoints
+
+            hf, spec = work / "exports" / f"{algo}_{step}", work / "exports" / f"{algo}_{step}_spec"
+            _tool("checkpoint_tools/export_draft.py", "--model",
+                  str(checkpoints.step_dir(run / "checkpoints", step)), "--out", str(hf),
+                  "--overwrite")
+            _tool("checkpoint_tools/import_draft.py", "--method", algo, "--draft", str(hf),
+                  "--model", str(run / "final"), "--out", str(spec), "--overwrite")
+        prompts = held_out_prompts(work / "held_out_prompts.jsonl", args.al_prompts)
+        subprocess.run([sys.executable, __file__, "--measure", str(spec), str(prompts),
+                        str(out), "--al-new-tokens", str(args.al_new_tokens)], cwd=REPO,
+                       check=True)
     return json.loads(out.read_text())
 
 
@@ -163,12 +200,18 @@ def plot(result: dict, path: Path):
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for algo, rows in result["curves"].items():
         tokens = [r["step"] * result["tokens_per_step"] for r in rows]
-        ax[0].plot(tokens, [r["implied_al"] for r in rows], label=algo)
+        line, = ax[0].plot(tokens, [r["implied_al"] for r in rows], ":", alpha=0.6,
+                           label=f"{algo}, implied by training accuracies")
+        points = (result["measured_acceptance"] or {}).get(algo, {})
+        steps = sorted(int(s) for s in points)
+        ax[0].plot([s * result["tokens_per_step"] for s in steps],
+                   [points[str(s)]["acceptance_length"] for s in steps], "o-",
+                   color=line.get_color(), label=f"{algo}, measured (held-out prompts)")
         ax[1].plot(tokens, [r["accuracy"][0] for r in rows], label=algo)
-    ax[0].set(xlabel="training input tokens", ylabel="implied AL (teacher-forced accuracies)")
+    ax[0].set(xlabel="training input tokens", ylabel="acceptance length, chain of 7")
     ax[1].set(xlabel="training input tokens", ylabel="top-1 accuracy, draft position 1")
     for a in ax:
-        a.legend()
+        a.legend(fontsize=7)
     fig.suptitle(f"from scratch, same data; {result['cpu']} @ {result['commit']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -176,18 +219,23 @@ def plot(result: dict, path: Path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=30, help="the step the curves end at")
+    p.add_argument("--schedule-steps", type=int,
+                   help="training.steps, the lr schedule's length (default: --steps); longer "
+                        "stops the runs at --steps (training.exit_interval)")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--global-batch-size", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--checkpoint-interval", type=int, default=0,
+                   help="steps between checkpoints, each measured (0: only --steps)")
     p.add_argument("--work-dir", default="runs/bench_block_drafter")
+    p.add_argument("--name", default=RESULT, help="bench/results/NAME.json and .png")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the final figures")
-    p.add_argument("--reuse", action="store_true",
-                   help="keep a run of --work-dir that already reached --steps (same settings)")
     p.add_argument("--commit", help="the commit to record (default: this checkout's HEAD; a "
                                     "copied tree run away from a moving checkout names it)")
     p.add_argument("--al-prompts", type=int, default=4,
-                   help="held-out prompts for the measured acceptance length (0: none)")
+                   help="held-out GSM8K prompts, and as many held-out task prompts, for the "
+                        "measured acceptance length (0: none)")
     p.add_argument("--al-new-tokens", type=int, default=48)
     p.add_argument("--measure", nargs=3, metavar=("CKPT", "PROMPTS", "OUT"),
                    help=argparse.SUPPRESS)  # one checkpoint's acceptance, in a fresh process
@@ -202,35 +250,42 @@ def main():
     work = REPO / args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = os.getloadavg(), time.time()
-    procs = {algo: train(algo, work / algo, args) for algo in RECIPES  # side by side
-             if not (args.reuse and _finished(work / algo, args.steps))}
-    for algo, proc in procs.items():
-        if proc.wait() != 0:
+    for algo in RECIPES:  # one after the other: two runs side by side halve a CPU's throughput
+        if not _finished(work / algo, args.steps) and train(algo, work / algo, args).wait():
             raise SystemExit(f"{algo} training failed: see {work / algo}.log")
-    curves = {algo: curve(work / algo) for algo in RECIPES}
+    curves = {algo: [r for r in curve(work / algo) if r["step"] <= args.steps]
+              for algo in RECIPES}
     final = {algo: {k: sum(r[k] for r in rows[-args.window:]) / len(rows[-args.window:])
                     for k in ("loss", "implied_al")} for algo, rows in curves.items()}
+    acceptance = None
+    if args.al_prompts:
+        acceptance = {algo: {str(step): measured(work, algo, step, args.steps, args)
+                             for step in _checkpoint_steps(work / algo) if step <= args.steps}
+                      for algo in RECIPES}
     result = {
         "what": "DFlash vs EAGLE3 drafts trained from scratch on the same data, equal input tokens",
         "cpu": cpu_model(), "commit": args.commit or commit(), "seconds": time.time() - started,
         "load_average_before_after": [load_before, os.getloadavg()],
-        "steps": args.steps, "seq_length": args.seq_length,
-        "dflash_anchors_per_sequence": args.seq_length // 8,
+        "steps": args.steps, "schedule_steps": args.schedule_steps or args.steps,
+        "seq_length": args.seq_length, "dflash_anchors_per_sequence": args.seq_length // 8,
         "global_batch_size": args.global_batch_size,
         "tokens_per_step": args.seq_length * args.global_batch_size,
         "final_mean_of_last_steps": final,
         "implied_al_ratio_dflash_over_eagle3": final["dflash"]["implied_al"] / final["eagle3"]["implied_al"],
         "curves": curves,
-        "measured_acceptance": ({algo: measured(work, algo, args) for algo in RECIPES}
-                                if args.al_prompts else None),
+        "measured_acceptance": acceptance,
     }
-    out = REPO / "bench" / "results" / f"{RESULT}.json"
+    if acceptance:
+        last = {algo: acceptance[algo][str(args.steps)]["acceptance_length"] for algo in RECIPES}
+        result["measured_al_ratio_dflash_over_eagle3"] = last["dflash"] / last["eagle3"]
+    out = REPO / "bench" / "results" / f"{args.name}.json"
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, out)
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("cpu", "commit", "final_mean_of_last_steps",
-                                             "implied_al_ratio_dflash_over_eagle3")}, indent=1))
+    print(json.dumps({k: result.get(k) for k in (
+        "cpu", "commit", "final_mean_of_last_steps", "implied_al_ratio_dflash_over_eagle3",
+        "measured_al_ratio_dflash_over_eagle3")}, indent=1))
 
 
 if __name__ == "__main__":
