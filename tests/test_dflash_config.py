@@ -11,6 +11,7 @@ from megatron_specdec.methods.dflash import config
     ("mask_token_id", 500), ("mask_token_id", -1),
     ("target_layer_ids", [0, 4]), ("target_layer_ids", []), ("target_layer_ids", [-1]),
     ("num_layers", 0), ("anchors_per_sequence", 0), ("loss_decay_gamma", 0.0),
+    ("k_norm_trainable", "no"),
 ])
 def test_bad_value_refused_by_name(key, value):
     with pytest.raises(config.DFlashConfigError) as err:

@@ -27,7 +27,10 @@ def default_target_layer_ids(num_layers: int) -> List[int]:
 @dataclass
 class DFlashConfig:
     block_size: int = 8  # positions per block: the anchor token and block_size - 1 masks
-    num_layers: int = 1  # vLLM's CPU build runs one layer correctly (see block_drafters.md)
+    num_layers: int = 1
+    # false: every layer's key RMSNorm gain stays 1; vLLM's CPU build normalises all layers'
+    # context keys with layer 0's k_norm, so it then serves a multi-layer draft as trained
+    k_norm_trainable: bool = True
     mask_token_id: Optional[int] = None  # default: the base's last vocabulary id
     # base layers whose outputs are the context (0-based output-of-layer; default: five spread)
     target_layer_ids: Optional[List[int]] = None
@@ -60,6 +63,9 @@ def validate(cfg: DFlashConfig, num_base_layers: int, vocab_size: int) -> None:
             f"mask position), got {cfg.block_size!r}")
     if not _is_int(cfg.num_layers) or cfg.num_layers < 1:
         raise DFlashConfigError(f"dflash config: num_layers must be an integer >= 1, got {cfg.num_layers!r}")
+    if not isinstance(cfg.k_norm_trainable, bool):
+        raise DFlashConfigError(
+            f"dflash config: k_norm_trainable must be true or false, got {cfg.k_norm_trainable!r}")
     if not _is_int(cfg.mask_token_id) or not 0 <= cfg.mask_token_id < vocab_size:
         raise DFlashConfigError(
             f"dflash config: mask_token_id must be a token id in [0, {vocab_size}), "

@@ -28,6 +28,9 @@ def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int =
     geo = hf_weights.geometry(model.config, real_query_groups)
     hf_weights.load_hf_state(draft, cfg, geo, hf_weights.initial_state(model.config, cfg, geo, seed))
     draft.geometry = geo
+    if not cfg.k_norm_trainable:  # the gains stay at their initial 1 (see config.py)
+        for layer in draft.layers:
+            layer.self_attention.k_layernorm.weight.requires_grad_(False)
     return draft
 
 
