@@ -27,7 +27,7 @@ def default_target_layer_ids(num_layers: int) -> List[int]:
 @dataclass
 class DFlashConfig:
     block_size: int = 8  # positions per block: the anchor token and block_size - 1 masks
-    num_layers: int = 1
+    num_layers: int = 1  # draft layers: one forward a round however many
     # false: every layer's key RMSNorm gain stays 1; vLLM's CPU build normalises all layers'
     # context keys with layer 0's k_norm, so it then serves a multi-layer draft as trained
     k_norm_trainable: bool = True
