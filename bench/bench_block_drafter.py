@@ -62,6 +62,7 @@ def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
         overrides.append(f"training.exit_interval={args.steps}")
     if algo == "dflash":  # blocks tiling the whole row: every position scored, as EAGLE3 does
         overrides.append(f"draft.config.anchors_per_sequence={args.seq_length // 8}")
+        overrides += [f"draft.config.{kv}" for kv in args.dflash_config]
     log = open(out_dir.with_suffix(".log"), "a")
     return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
                              RECIPES[algo], *overrides], cwd=REPO, stdout=log,
@@ -228,6 +229,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--checkpoint-interval", type=int, default=0,
                    help="steps between checkpoints, each measured (0: only --steps)")
+    p.add_argument("--dflash-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="draft.config overrides of the DFlash run (e.g. num_layers=3 "
+                        "k_norm_trainable=false)")
     p.add_argument("--work-dir", default="runs/bench_block_drafter")
     p.add_argument("--name", default=RESULT, help="bench/results/NAME.json and .png")
     p.add_argument("--window", type=int, default=5, help="steps averaged for the final figures")
@@ -268,7 +272,7 @@ def main():
         "load_average_before_after": [load_before, os.getloadavg()],
         "steps": args.steps, "schedule_steps": args.schedule_steps or args.steps,
         "seq_length": args.seq_length, "dflash_anchors_per_sequence": args.seq_length // 8,
-        "global_batch_size": args.global_batch_size,
+        "global_batch_size": args.global_batch_size, "dflash_config": args.dflash_config,
         "tokens_per_step": args.seq_length * args.global_batch_size,
         "final_mean_of_last_steps": final,
         "implied_al_ratio_dflash_over_eagle3": final["dflash"]["implied_al"] / final["eagle3"]["implied_al"],
