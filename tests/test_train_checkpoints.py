@@ -3,6 +3,8 @@ half-written checkpoint is refused with the reason and the previous good one is 
 bad one kept aside); bad jsonl rows are reported with file and line, skipped or fatal as
 configured; a run never overwrites what an output directory holds."""
 
+import copy
+import dataclasses
 import shutil
 
 import pytest
@@ -120,6 +122,18 @@ def test_checkpoint_of_another_draft_refused_by_key(trained):
                             config=SimpleNamespace(hidden_size=hf["hidden_size"],
                                                    num_layers=hf["num_hidden_layers"]))
     checkpoints.check_compatible(path, meta, model)
+    # a key added to the config class since the checkpoint was written reads as its default
+    added = next(f for f in dataclasses.fields(saved) if not f.metadata.get("resumable")
+                 and f.default is not dataclasses.MISSING
+                 and getattr(saved, f.name) == f.default)
+    older = copy.deepcopy(meta)
+    del older["training_checkpoint"]["draft"]["config"][added.name]
+    checkpoints.check_compatible(path, older, model)
+    other = not added.default if isinstance(added.default, bool) else 2 * added.default + 1
+    setattr(saved, added.name, other)  # ...and a value other than the default is refused
+    with pytest.raises(CheckpointError, match=added.name):
+        checkpoints.check_compatible(path, older, model)
+    setattr(saved, added.name, added.default)
     saved.ttt_steps += 1  # may change on resume
     checkpoints.check_compatible(path, meta, model)
     model.spec_config = registry.parse_config("eagle3", {"draft_vocab_size": 128},

@@ -208,12 +208,15 @@ def check_compatible(path, meta: dict, model):
             f"pickle, which is not loaded); use another checkpointing.directory")
     saved = record["draft"]
     mine = registry.config_to_dict(model.spec_config)
+    fields = dataclasses.fields(model.spec_config)
     # Keys a run may change on resume (they shape no tensor): marked so in the config class.
-    resumable = {f.name for f in dataclasses.fields(model.spec_config)
-                 if f.metadata.get("resumable")}
-    diff = sorted(k for k in set(saved["config"]) | set(mine["config"])
-                  if k not in resumable
-                  and saved["config"].get(k) != mine["config"].get(k))
+    resumable = {f.name for f in fields if f.metadata.get("resumable")}
+    saved_config = dict(saved["config"])
+    if saved["algo"] == mine["algo"]:  # a key added since the checkpoint was written: its default
+        saved_config = {**{f.name: f.default for f in fields
+                           if f.default is not dataclasses.MISSING}, **saved_config}
+    diff = sorted(k for k in set(saved_config) | set(mine["config"])
+                  if k not in resumable and saved_config.get(k) != mine["config"].get(k))
     if saved["algo"] != mine["algo"]:
         diff.insert(0, "algo")
     if diff:
