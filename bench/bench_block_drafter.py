@@ -119,14 +119,15 @@ def _tool(*argv):
     subprocess.run([sys.executable, *argv], cwd=REPO, check=True)
 
 
-def measured(work: Path, algo: str, step: int, final_step: int, args) -> dict:
+def measured(work: Path, algo: str, step: int, args) -> dict:
     """The measured acceptance of `algo`'s checkpoint at `step` (kept in
     work/<algo>_acceptance_<step>.json; a rerun reads it back)."""
     out = work / f"{algo}_acceptance_{step:07d}.json"
     if not out.is_file():
         run = work / algo
         spec = run / "final"
-        if step != final_step:  # the checkpoint's draft on the final checkpoint's base
+        if step != json.loads((run / "summary.json").read_text())["steps"]:
+            # the checkpoint's draft on the final checkpoint's base
             from megatron_specdec.training import checkpoints
 
             hf, spec = work / "exports" / f"{algo}_{step}", work / "exports" / f"{algo}_{step}_spec"
@@ -263,8 +264,10 @@ def main():
                     for k in ("loss", "implied_al")} for algo, rows in curves.items()}
     acceptance = None
     if args.al_prompts:
-        acceptance = {algo: {str(step): measured(work, algo, step, args.steps, args)
-                             for step in _checkpoint_steps(work / algo) if step <= args.steps}
+        every = args.checkpoint_interval or args.steps  # not a SIGTERM's checkpoint between
+        acceptance = {algo: {str(step): measured(work, algo, step, args)
+                             for step in _checkpoint_steps(work / algo)
+                             if step <= args.steps and step % every == 0}
                       for algo in RECIPES}
     result = {
         "what": "DFlash vs EAGLE3 drafts trained from scratch on the same data, equal input tokens",
