@@ -207,7 +207,7 @@ def plot(result: dict, path: Path):
         points = (result["measured_acceptance"] or {}).get(algo, {})
         steps = sorted(int(s) for s in points)
         ax[0].plot([s * result["tokens_per_step"] for s in steps],
-                   [points[str(s)]["acceptance_length"] for s in steps], "o-",
+                   [points[str(s)]["overall"]["acceptance_length"] for s in steps], "o-",
                    color=line.get_color(), label=f"{algo}, measured (held-out prompts)")
         ax[1].plot(tokens, [r["accuracy"][0] for r in rows], label=algo)
     ax[0].set(xlabel="training input tokens", ylabel="acceptance length, chain of 7")
@@ -242,6 +242,8 @@ def main():
                    help="held-out GSM8K prompts, and as many held-out task prompts, for the "
                         "measured acceptance length (0: none)")
     p.add_argument("--al-new-tokens", type=int, default=48)
+    p.add_argument("--measure-steps", type=int, nargs="*",
+                   help="the checkpoints measured (default: every --checkpoint-interval)")
     p.add_argument("--measure", nargs=3, metavar=("CKPT", "PROMPTS", "OUT"),
                    help=argparse.SUPPRESS)  # one checkpoint's acceptance, in a fresh process
     p.add_argument("--round-cost", action="store_true",
@@ -265,9 +267,9 @@ def main():
     acceptance = None
     if args.al_prompts:
         every = args.checkpoint_interval or args.steps  # not a SIGTERM's checkpoint between
+        wanted = set(args.measure_steps or range(every, args.steps + 1, every))
         acceptance = {algo: {str(step): measured(work, algo, step, args)
-                             for step in _checkpoint_steps(work / algo)
-                             if step <= args.steps and step % every == 0}
+                             for step in _checkpoint_steps(work / algo) if step in wanted}
                       for algo in RECIPES}
     result = {
         "what": "DFlash vs EAGLE3 drafts trained from scratch on the same data, equal input tokens",
@@ -283,7 +285,8 @@ def main():
         "measured_acceptance": acceptance,
     }
     if acceptance:
-        last = {algo: acceptance[algo][str(args.steps)]["acceptance_length"] for algo in RECIPES}
+        last = {algo: acceptance[algo][str(args.steps)]["overall"]["acceptance_length"]
+                for algo in RECIPES}
         result["measured_al_ratio_dflash_over_eagle3"] = last["dflash"] / last["eagle3"]
     out = REPO / "bench" / "results" / f"{args.name}.json"
     tmp = out.with_suffix(".json.tmp")
