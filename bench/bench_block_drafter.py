@@ -8,7 +8,8 @@ teacher-forced accuracies, not a measured AL).
     python bench/bench_block_drafter.py --steps 30 --seq-length 256 --global-batch-size 2
     # the recipes as shipped (rows of 512, 8 a step, 1600-step schedule), their first 250 steps:
     python bench/bench_block_drafter.py --steps 250 --schedule-steps 1600 --seq-length 512 \
-        --global-batch-size 8 --warmup 50 --checkpoint-interval 50 --al-prompts 8
+        --global-batch-size 8 --warmup 50 --checkpoint-interval 50 --al-prompts 4 \
+        --al-new-tokens 64 --measure-steps 250 --name block_drafter_vs_eagle3_recipes
 
 Writes bench/results/<--name>.json and .png (CPU model, commit
 and load average recorded). Each run is `python -m megatron_specdec.cli.train` on its recipe
