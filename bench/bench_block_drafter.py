@@ -73,8 +73,7 @@ def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
 def _checkpoint_steps(out_dir: Path) -> list:
     from megatron_specdec.training import checkpoints
 
-    return sorted(int(p.name.rsplit("_", 1)[1])
-                  for p in checkpoints.checkpoints_in(out_dir / "checkpoints"))
+    return sorted(map(checkpoints.step_of, checkpoints.checkpoints_in(out_dir / "checkpoints")))
 
 
 def _finished(out_dir: Path, steps: int) -> bool:
@@ -138,9 +137,8 @@ def measured(work: Path, algo: str, step: int, args) -> dict:
             _tool("checkpoint_tools/import_draft.py", "--method", algo, "--draft", str(hf),
                   "--model", str(run / "final"), "--out", str(spec), "--overwrite")
         prompts = held_out_prompts(work / "held_out_prompts.jsonl", args.al_prompts)
-        subprocess.run([sys.executable, __file__, "--measure", str(spec), str(prompts),
-                        str(out), "--al-new-tokens", str(args.al_new_tokens)], cwd=REPO,
-                       check=True)
+        _tool(__file__, "--measure", str(spec), str(prompts), str(out), "--al-new-tokens",
+              str(args.al_new_tokens))
     return json.loads(out.read_text())
 
 

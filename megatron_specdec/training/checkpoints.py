@@ -60,6 +60,11 @@ def step_dir(directory, step: int) -> Path:
     return Path(directory) / f"step_{step:07d}"
 
 
+def step_of(path) -> int:
+    """The step of a `step_dir` path."""
+    return int(_NAME.match(Path(path).name).group(1))
+
+
 # ---- RNG -----------------------------------------------------------------------------------
 def rng_tensors() -> dict:
     """This rank's RNG states as tensors: torch's, the model-parallel tracker's, CUDA's, and
@@ -344,10 +349,9 @@ def checkpoints_in(directory, with_manifest: bool = False) -> list:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir()
-             if (m := _NAME.match(p.name)) and p.is_dir()
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir()
              and (not with_manifest or (p / MANIFEST).is_file())]
-    return [p for _, p in sorted(found, reverse=True)]
+    return sorted(found, key=step_of, reverse=True)
 
 
 def find_resumable(directory) -> Optional[Path]:
