@@ -51,6 +51,17 @@ def implied_al(accuracy) -> float:
     return total
 
 
+def dflash_anchors(args) -> int:
+    """Blocks per row: --dflash-config anchors_per_sequence=N, else seq_length / 8 (blocks of 8
+    then score about as many draft positions as the row has tokens; EAGLE3's 7 TTT steps
+    score seven per token)."""
+    for kv in args.dflash_config:
+        key, _, value = kv.partition("=")
+        if key == "anchors_per_sequence":
+            return int(value)
+    return args.seq_length // 8
+
+
 def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
     overrides = [f"output_dir={out_dir}", f"training.steps={args.schedule_steps or args.steps}",
                  f"data.seq_length={args.seq_length}",
@@ -61,9 +72,10 @@ def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
                  "checkpointing.resume=true", "evaluation.interval=0", "logging.interval=1"]
     if args.schedule_steps and args.schedule_steps > args.steps:
         overrides.append(f"training.exit_interval={args.steps}")
-    if algo == "dflash":  # blocks tiling the whole row: every position scored, as EAGLE3 does
-        overrides.append(f"draft.config.anchors_per_sequence={args.seq_length // 8}")
-        overrides += [f"draft.config.{kv}" for kv in args.dflash_config]
+    if algo == "dflash":
+        overrides.append(f"draft.config.anchors_per_sequence={dflash_anchors(args)}")
+        overrides += [f"draft.config.{kv}" for kv in args.dflash_config
+                      if not kv.startswith("anchors_per_sequence=")]
     log = open(out_dir.with_suffix(".log"), "a")
     return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
                              RECIPES[algo], *overrides], cwd=REPO, stdout=log,
@@ -200,17 +212,17 @@ def plot(result: dict, path: Path):
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for algo, rows in result["curves"].items():
-        tokens = [r["step"] * result["tokens_per_step"] for r in rows]
+        tokens = [r["step"] * result["tokens_per_step"] / 1e6 for r in rows]
         line, = ax[0].plot(tokens, [r["implied_al"] for r in rows], ":", alpha=0.6,
                            label=f"{algo}, implied by training accuracies")
         points = (result["measured_acceptance"] or {}).get(algo, {})
         steps = sorted(int(s) for s in points)
-        ax[0].plot([s * result["tokens_per_step"] for s in steps],
+        ax[0].plot([s * result["tokens_per_step"] / 1e6 for s in steps],
                    [points[str(s)]["overall"]["acceptance_length"] for s in steps], "o-",
                    color=line.get_color(), label=f"{algo}, measured (held-out prompts)")
         ax[1].plot(tokens, [r["accuracy"][0] for r in rows], label=algo)
-    ax[0].set(xlabel="training input tokens", ylabel="acceptance length, chain of 7")
-    ax[1].set(xlabel="training input tokens", ylabel="top-1 accuracy, draft position 1")
+    ax[0].set(xlabel="training input tokens (M)", ylabel="acceptance length, chain of 7")
+    ax[1].set(xlabel="training input tokens (M)", ylabel="top-1 accuracy, draft position 1")
     for a in ax:
         a.legend(fontsize=7)
     fig.suptitle(f"from scratch, same data; {result['cpu']} @ {result['commit']}", fontsize=9)
@@ -243,6 +255,9 @@ def main():
     p.add_argument("--al-new-tokens", type=int, default=48)
     p.add_argument("--measure-steps", type=int, nargs="*",
                    help="the checkpoints measured (default: every --checkpoint-interval)")
+    p.add_argument("--curves-only", action="store_true",
+                   help="write the JSON and plot from the runs' logs up to --steps as they "
+                        "stand: no training, no measured acceptance")
     p.add_argument("--measure", nargs=3, metavar=("CKPT", "PROMPTS", "OUT"),
                    help=argparse.SUPPRESS)  # one checkpoint's acceptance, in a fresh process
     p.add_argument("--round-cost", action="store_true",
@@ -256,7 +271,8 @@ def main():
     work = REPO / args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = os.getloadavg(), time.time()
-    for algo in RECIPES:  # one after the other: two runs side by side halve a CPU's throughput
+    # one after the other: two runs side by side halve a CPU's throughput
+    for algo in () if args.curves_only else RECIPES:
         if not _finished(work / algo, args.steps) and train(algo, work / algo, args).wait():
             raise SystemExit(f"{algo} training failed: see {work / algo}.log")
     curves = {algo: [r for r in curve(work / algo) if r["step"] <= args.steps]
@@ -264,7 +280,7 @@ def main():
     final = {algo: {k: sum(r[k] for r in rows[-args.window:]) / len(rows[-args.window:])
                     for k in ("loss", "implied_al")} for algo, rows in curves.items()}
     acceptance = None
-    if args.al_prompts:
+    if args.al_prompts and not args.curves_only:
         every = args.checkpoint_interval or args.steps  # not a SIGTERM's checkpoint between
         wanted = set(args.measure_steps or range(every, args.steps + 1, every))
         acceptance = {algo: {str(step): measured(work, algo, step, args)
@@ -275,7 +291,7 @@ def main():
         "cpu": cpu_model(), "commit": args.commit or commit(), "seconds": time.time() - started,
         "load_average_before_after": [load_before, os.getloadavg()],
         "steps": args.steps, "schedule_steps": args.schedule_steps or args.steps,
-        "seq_length": args.seq_length, "dflash_anchors_per_sequence": args.seq_length // 8,
+        "seq_length": args.seq_length, "dflash_anchors_per_sequence": dflash_anchors(args),
         "global_batch_size": args.global_batch_size, "dflash_config": args.dflash_config,
         "tokens_per_step": args.seq_length * args.global_batch_size,
         "final_mean_of_last_steps": final,
