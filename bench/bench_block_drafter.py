@@ -51,15 +51,12 @@ def implied_al(accuracy) -> float:
     return total
 
 
-def dflash_anchors(args) -> int:
-    """Blocks per row: --dflash-config anchors_per_sequence=N, else seq_length / 8 (blocks of 8
-    then score about as many draft positions as the row has tokens; EAGLE3's 7 TTT steps
-    score seven per token)."""
-    for kv in args.dflash_config:
-        key, _, value = kv.partition("=")
-        if key == "anchors_per_sequence":
-            return int(value)
-    return args.seq_length // 8
+def dflash_config(args) -> dict:
+    """The DFlash run's draft.config overrides: --dflash-config KEY=VALUE over blocks of
+    seq_length / 8 a row (blocks of 8 then score about as many draft positions as the row has
+    tokens; EAGLE3's 7 TTT steps score seven per token)."""
+    return {"anchors_per_sequence": str(args.seq_length // 8),
+            **dict(kv.split("=", 1) for kv in args.dflash_config)}
 
 
 def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
@@ -73,9 +70,7 @@ def train(algo: str, out_dir: Path, args) -> subprocess.Popen:
     if args.schedule_steps and args.schedule_steps > args.steps:
         overrides.append(f"training.exit_interval={args.steps}")
     if algo == "dflash":
-        overrides.append(f"draft.config.anchors_per_sequence={dflash_anchors(args)}")
-        overrides += [f"draft.config.{kv}" for kv in args.dflash_config
-                      if not kv.startswith("anchors_per_sequence=")]
+        overrides += [f"draft.config.{k}={v}" for k, v in dflash_config(args).items()]
     log = open(out_dir.with_suffix(".log"), "a")
     return subprocess.Popen([sys.executable, "-m", "megatron_specdec.cli.train", "--config",
                              RECIPES[algo], *overrides], cwd=REPO, stdout=log,
@@ -264,6 +259,9 @@ def main():
                    help="only measure a k=7 round's cost against a plain step "
                         "(bench/results/block_drafter_round_cost.json)")
     args = p.parse_args()
+    for kv in args.dflash_config:
+        if "=" not in kv:
+            p.error(f"--dflash-config: expected KEY=VALUE, got {kv!r}")
     if args.round_cost:
         return round_cost(REPO / "bench/results/block_drafter_round_cost.json", 32, 3)
     if args.measure:
@@ -291,7 +289,8 @@ def main():
         "cpu": cpu_model(), "commit": args.commit or commit(), "seconds": time.time() - started,
         "load_average_before_after": [load_before, os.getloadavg()],
         "steps": args.steps, "schedule_steps": args.schedule_steps or args.steps,
-        "seq_length": args.seq_length, "dflash_anchors_per_sequence": dflash_anchors(args),
+        "seq_length": args.seq_length,
+        "dflash_anchors_per_sequence": int(dflash_config(args)["anchors_per_sequence"]),
         "global_batch_size": args.global_batch_size, "dflash_config": args.dflash_config,
         "tokens_per_step": args.seq_length * args.global_batch_size,
         "final_mean_of_last_steps": final,
