@@ -88,6 +88,33 @@ def test_draft_config_keys_checked_by_name():
         draft_config(recipe, hf)
 
 
+def test_warm_start_takes_training_keys_and_refuses_shape_keys():
+    """Over a trained draft (model.path a speculative checkpoint) the recipe's resumable keys
+    apply; a key that shapes the draft must equal the checkpoint's or is refused by name."""
+    hf = SimpleNamespace(num_hidden_layers=30, vocab_size=49152)
+    stored = {"algo": "dflash", "config": {
+        "block_size": 8, "num_layers": 1, "k_norm_trainable": True, "mask_token_id": 49151,
+        "target_layer_ids": [1, 8, 14, 20, 27], "anchors_per_sequence": 8,
+        "loss_decay_gamma": 4.0}}
+    base = REQUIRED + ["draft.algo=dflash"]
+    recipe = load_recipe(None, base + ["draft.config.anchors_per_sequence=64",
+                                       "draft.config.block_size=8"])
+    cfg = draft_config(recipe, hf, stored)
+    assert (cfg.anchors_per_sequence, cfg.block_size, cfg.loss_decay_gamma) == (64, 8, 4.0)
+    assert draft_config(load_recipe(None, base), hf, stored).anchors_per_sequence == 8
+    recipe = load_recipe(None, base + ["draft.config.block_size=4"])
+    with pytest.raises(RecipeError, match="'draft.config.block_size': 4, but the draft .* has 8; "
+                                          "over a trained draft only anchors_per_sequence, "
+                                          "loss_decay_gamma may change"):
+        draft_config(recipe, hf, stored)
+    recipe = load_recipe(None, base + ["draft.config.anchors_per_sequence=0"])
+    with pytest.raises(RecipeError, match="anchors_per_sequence must be an integer >= 1"):
+        draft_config(recipe, hf, stored)
+    recipe = load_recipe(None, base + ["draft.config.anchorz=3"])
+    with pytest.raises(RecipeError, match="'draft.config.anchorz': unknown dflash config key"):
+        draft_config(recipe, hf, stored)
+
+
 def test_cli_reports_key_and_exits_2(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.cli.train", *REQUIRED, "training.stepz=1"],

@@ -34,6 +34,7 @@ COMMITTED_DATA = REPO / "data" / "smollm2_regen.jsonl.gz"
 SHIPPED_DRAFT = REPO / "models" / "eagle3_smollm2"
 SHIPPED_PROMPTS = REPO / "bench" / "mt_bench_3per_category.jsonl"
 STEPS = 8
+DRAFT_VOCAB = 4096  # the demo's draft vocabulary: convert builds it, the recipe is told so
 
 
 class StepFailed(Exception):
@@ -122,11 +123,12 @@ def demo(args):
     train_data = [regen, COMMITTED_DATA] if COMMITTED_DATA.is_file() else [regen]
     _run(3, "add an EAGLE3 draft (draft vocabulary calibrated on the data)",
          ["checkpoint_tools/convert_speculative.py", "--model", base, "--algo", "eagle3",
-          "--out", draft, "--draft-vocab-size", 4096, "--calibration-data", *train_data],
+          "--out", draft, "--draft-vocab-size", DRAFT_VOCAB, "--calibration-data", *train_data],
          timings)
     _run(4, f"train the draft ({args.train_steps} steps, base frozen)",
          ["-m", "megatron_specdec.cli.train", "--config", "recipes/eagle3_smollm2.yaml",
           f"output_dir={_shown(train)}", f"model.path={_shown(draft)}",
+          f"draft.config.draft_vocab_size={DRAFT_VOCAB}",
           f"data.train=[{','.join(_shown(d) for d in train_data)}]", "data.seq_length=256",
           f"training.steps={args.train_steps}", "training.global_batch_size=2",
           "optimizer.warmup_steps=5", "checkpointing.interval=10", "evaluation.interval=0",

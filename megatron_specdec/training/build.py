@@ -1,6 +1,7 @@
 """The speculative model a recipe trains, from whatever `model.path` names:
 
-- a speculative checkpoint: loaded as is (its draft algorithm must be the recipe's);
+- a speculative checkpoint: loaded as is (its draft algorithm must be the recipe's; the
+  recipe's training keys, e.g. DFlash's anchors a row, apply to it);
 - a base megatron_specdec checkpoint, an HF directory, or 'default': the base is loaded and
   the draft built from `draft` (`convert`), so one command goes from a base model to a
   trained draft. An EAGLE3 draft vocabulary smaller than the base's is calibrated from the
@@ -9,7 +10,7 @@
 same global draft weights.
 """
 
-import logging
+import dataclasses
 
 import torch.distributed as dist
 
@@ -20,8 +21,6 @@ from megatron_specdec.models.default_model import resolve_model_path
 from megatron_specdec.models.speculative import attach, set_draft_vocab
 from megatron_specdec.training.recipe import RecipeError
 
-log = logging.getLogger(__name__)
-
 
 def draft_config(recipe, hf_config, stored=None):
     """The validated draft config: the recipe's, or a speculative checkpoint's own."""
@@ -30,16 +29,42 @@ def draft_config(recipe, hf_config, stored=None):
             raise RecipeError(
                 f"recipe key 'draft.algo': {recipe.draft.algo!r}, but {recipe.model.path} holds "
                 f"a {stored['algo']} draft")
-        if recipe.draft.config:
-            log.warning("model.path is a speculative checkpoint: its draft config is used and "
-                        "draft.config is ignored")
-        return registry.config_from_dict(stored)
+        return _warm_start_config(recipe, hf_config, registry.config_from_dict(stored))
     try:
         return registry.parse_config(recipe.draft.algo, dict(recipe.draft.config),
                                      hf_config.num_hidden_layers, hf_config.vocab_size,
                                      registry.trainable())
     except registry.ConfigError as e:
         raise RecipeError(f"recipe key 'draft.config': {e}") from None
+
+
+def _warm_start_config(recipe, hf_config, cfg):
+    """A trained draft's config with the recipe's training keys (those marked resumable: they
+    shape no tensor, e.g. DFlash's anchors a row) over it, so a stage that starts from an
+    exported draft trains as its recipe says. Any other key the recipe sets must equal the
+    draft's: a different block size or layer count cannot apply to trained weights."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    changes = {}
+    for key, value in dict(recipe.draft.config).items():
+        if key not in fields:
+            raise RecipeError(f"recipe key 'draft.config.{key}': unknown {cfg.algo} config key; "
+                              f"valid keys: {', '.join(registry.user_keys(type(cfg)))}")
+        if fields[key].metadata.get("resumable"):
+            changes[key] = value
+        elif value != getattr(cfg, key):
+            may = sorted(n for n, f in fields.items() if f.metadata.get("resumable"))
+            raise RecipeError(
+                f"recipe key 'draft.config.{key}': {value!r}, but the draft in "
+                f"{recipe.model.path} has {getattr(cfg, key)!r}; over a trained draft only "
+                f"{', '.join(may) or 'no key'} may change")
+    cfg = dataclasses.replace(cfg, **changes)
+    method = registry.get(cfg.algo)
+    if method.validate is not None:
+        try:
+            method.validate(cfg, hf_config.num_hidden_layers, hf_config.vocab_size)
+        except registry.ConfigError as e:
+            raise RecipeError(f"recipe key 'draft.config': {e}") from None
+    return cfg
 
 
 def _calibrated_vocab(recipe, tokenizer, cfg, vocab_size):
@@ -73,6 +98,7 @@ def build_speculative(recipe, calibrate: bool = True):
         tokenizer_dir = resolve_model_path(recipe.data.tokenizer)
     tokenizer = load_tokenizer(str(tokenizer_dir))
     if loaded.draft is not None:  # a speculative checkpoint: base and draft loaded together
+        loaded.model.spec_config = cfg  # its own, with the recipe's training keys
         return loaded.model.train(), hf_config, loaded.base_meta, tokenizer, tokenizer_dir
     method = registry.get(cfg.algo)
     try:
