@@ -15,11 +15,14 @@ hits all of them alike:
   (`assistant_model=`, a constant k = --num-draft-tokens or 3) with the same pair; its
   acceptance length is tokens per target forward.
 
+- with --also-model CKPT (a speculative checkpoint of another draft method over the same
+  base, e.g. a DFlash draft beside an EAGLE3 one), its draft's fixed-k and adaptive rows in
+  the same loop, and its sampling row;
 - vLLM's CPU build (when `make vllm-env` made `.venv-vllm`): greedy, n-gram (k=3) and, with
-  --vllm-eagle3 DIR, EAGLE3 with that HF draft (e.g. models/eagle3_smollm2; k =
-  --num-draft-tokens, else 3), in its own process on the same prompts and stopping at the
-  same end-of-turn ids (engines/vllm_client.py); with --draft-model-hf also vLLM's draft
-  model (`"method": "draft_model"`) with that export.
+  --vllm-eagle3 DIR / --vllm-dflash DIR, that method with that HF draft (e.g.
+  models/eagle3_smollm2; k = --num-draft-tokens, else 3), in its own process on the same
+  prompts and stopping at the same end-of-turn ids (engines/vllm_client.py); with
+  --draft-model-hf also vLLM's draft model (`"method": "draft_model"`) with that export.
 
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
@@ -33,7 +36,7 @@ bench/results/generation.json (plot beside it).
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
         [--temperature 0.7] [--drafter draft_model --draft-model DRAFT_CKPT]
-        [--vllm-eagle3 models/eagle3_smollm2]
+        [--also-model CKPT] [--vllm-eagle3 models/eagle3_smollm2] [--vllm-dflash DIR]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
 `convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
@@ -90,7 +93,27 @@ def hf_runner(hf_model, eos, max_new_tokens, **kwargs):
     return run
 
 
-def methods(args, model, hf_dir, eos, tree):
+def load_also(args, model):
+    """The --also-model speculative checkpoints, each over the same base as --model (its
+    rows name it by its method, so two of one method are refused)."""
+    from megatron_specdec.loading.speculative import load_speculative
+
+    others = []
+    for path in args.also_model:
+        other = load_speculative(path)[0].eval()
+        if other.algo in {model.algo, *(o.algo for o in others)}:
+            raise SystemExit(f"--also-model {path}: a {other.algo} draft, a method already "
+                             f"benchmarked here (one checkpoint per method)")
+        mine, theirs = (next(m.base.parameters()).dtype for m in (model, other))
+        if other.vocab_size != model.vocab_size or mine != theirs:
+            raise SystemExit(f"--also-model {path}: a base of vocabulary {other.vocab_size} in "
+                             f"{theirs}, --model's is {model.vocab_size} in {mine} (expected "
+                             f"the same base: import both drafts onto one base checkpoint)")
+        others.append(other)
+    return others
+
+
+def methods(args, model, hf_dir, eos, tree, others=()):
     """({name -> run(prompt ids) -> (tokens, GenerationResult or None)}, the HF model)."""
     from transformers import AutoModelForCausalLM
 
@@ -115,6 +138,10 @@ def methods(args, model, hf_dir, eos, tree):
     if tree is not None:
         drafts[f"{model.algo} tree"] = SpeculativeGenerator(model, args.num_draft_tokens,
                                                             tree=tree)
+    for other in others:
+        drafts[f"{other.algo} fixed k"] = SpeculativeGenerator(other, args.num_draft_tokens,
+                                                               policy="fixed")
+        drafts[f"{other.algo} adaptive"] = SpeculativeGenerator(other, args.num_draft_tokens)
     drafts.update(draft_model_generators(args, model, {"fixed k": "fixed",
                                                        "adaptive": "adaptive"}))
     for name, generator in drafts.items():
@@ -218,6 +245,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--model", default=None, help="speculative checkpoint (default: random draft)")
+    p.add_argument("--also-model", nargs="*", default=[],
+                   help="speculative checkpoint(s) of other draft methods over the same base: "
+                        "their rows beside --model's")
     p.add_argument("--algo", choices=("eagle3", "medusa"), default="eagle3")
     p.add_argument("--drafter", choices=("draft_model",), default=None,
                    help="also run this drafter (beside the draft module and n-gram)")
@@ -237,6 +267,9 @@ def main():
     p.add_argument("--vllm-eagle3", default=None,
                    help="HF EAGLE3 draft directory for a vLLM EAGLE3 row (the draft of --model "
                         "as exported, e.g. models/eagle3_smollm2)")
+    p.add_argument("--vllm-dflash", default=None,
+                   help="HF DFlash draft directory for a vLLM DFlash row (an --also-model or "
+                        "--model draft as exported)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling comparison at this temperature (0: skip it)")
     p.add_argument("--sampling-every", type=int, default=1,
@@ -253,18 +286,20 @@ def main():
     from megatron_specdec.evaluation.acceptance import read_prompts
 
     tree = tree_spec(args)
-    if args.vllm_eagle3 and not (Path(args.vllm_eagle3) / "config.json").is_file():
-        raise SystemExit(f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there (expected an "
-                         f"HF EAGLE3 draft directory, as export_draft writes)")
+    for flag, path in vllm_drafts(args).items():
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"--vllm-{flag} {path}: no config.json there (expected an HF "
+                             f"{flag} draft directory, as export_draft writes)")
     distributed.initialize(1, 1)
     model, hf_dir, what = build(args)
     model.eval()
     check_draft_model_args(args, model.vocab_size, hf_dir)
+    others = load_also(args, model)
     served_base = None if args.no_vllm else vllm_base(args, hf_dir)
     tokenizer = load_tokenizer(str(hf_dir))
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
-    runs, hf_model = methods(args, model, hf_dir, eos, tree)
+    runs, hf_model = methods(args, model, hf_dir, eos, tree, others)
     about = describe_machine()
     bound = about["read_bandwidth_gb_s"] * 1e9 / read_bytes_per_token(model)
     for run in runs.values():  # first use: the kernel choice measures each new weight shape
@@ -321,9 +356,10 @@ def main():
     for row in report.values():
         row["of_bandwidth_bound"] = row["tokens_per_s"] / bound
     batched = batch_throughput(model, hf_model, prompts, eos, args)
-    sampled = sampling_speed(model, hf_model, prompts, eos, args)
+    sampled = sampling_speed(model, hf_model, prompts, eos, args, others)
     result = {
-        "model": what,
+        "model": what + "".join(f" + {o.algo} draft of {p}"
+                                for o, p in zip(others, args.also_model)),
         "machine": about,
         "bandwidth_bound_tokens_per_s": bound,
         "layout": "TP=1 PP=1, batch 1, float32, greedy",
@@ -337,8 +373,8 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    plot(report, out.with_suffix(".png"), what)
-    print(f"\n{what}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
+    plot(report, out.with_suffix(".png"), result["model"])
+    print(f"\n{result['model']}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, commit "
           f"{about['commit']}; read bandwidth {about['read_bandwidth_gb_s']:.1f} GB/s: batch-1 "
@@ -399,16 +435,17 @@ def vllm_base(args, model_dir):
 
 
 def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
-    """vLLM greedy, n-gram and (--vllm-eagle3) EAGLE3 rows, or none (with the reason printed)
-    without its env."""
+    """vLLM greedy, n-gram and (--vllm-eagle3, --vllm-dflash) draft rows, or none (with the
+    reason printed) without its env."""
+    from megatron_specdec import registry
     from megatron_specdec.engines import vllm_client
 
     if args.no_vllm:
         return {}
     runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
     k = args.num_draft_tokens or 3
-    if args.vllm_eagle3:
-        runs[f"vllm eagle3 k={k}"] = vllm_client.eagle3_config(args.vllm_eagle3, k)
+    for algo, path in vllm_drafts(args).items():
+        runs[f"vllm {algo} k={k}"] = registry.get(algo).engine_config(path, k).vllm
     if args.draft_model_hf:
         runs[f"vllm draft model k={k}"] = vllm_client.draft_model_config(args.draft_model_hf, k)
     try:
@@ -428,6 +465,12 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
                       "identical_to_project_greedy": same,
                       "acceptance_length": r.acceptance_length}
     return rows
+
+
+def vllm_drafts(args) -> dict:
+    """{method: HF draft directory} of the --vllm-<method> flags given."""
+    return {algo: path for algo, path in (("eagle3", args.vllm_eagle3),
+                                          ("dflash", args.vllm_dflash)) if path}
 
 
 def batch_throughput(model, hf_model, prompts, eos, args):
@@ -474,7 +517,7 @@ def hf_batch(hf_model, batch, eos, max_new_tokens):
     return rows
 
 
-def sampling_speed(model, hf_model, prompts, eos, args):
+def sampling_speed(model, hf_model, prompts, eos, args, others=()):
     """tokens/s of sampling at --temperature: transformers, project plain, project
     speculative (the draft module, n-gram); seeded per prompt, outputs differ by design."""
     from megatron_specdec.inference.generator import SpeculativeGenerator
@@ -487,7 +530,8 @@ def sampling_speed(model, hf_model, prompts, eos, args):
     n, t = args.max_new_tokens, args.temperature
     prompts = prompts[:: args.sampling_every]
     generators = {f"project {model.algo} speculative": SpeculativeGenerator(model),
-                  "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram")}
+                  "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram"),
+                  **{f"project {o.algo} speculative": SpeculativeGenerator(o) for o in others}}
     generators.update({f"project {name} speculative": g for name, g in
                        draft_model_generators(args, model, {"adaptive": "adaptive"}).items()})
     if model.method.typical_acceptance:  # the lossy option beside the lossless ones
