@@ -1,6 +1,7 @@
-"""The EAGLE3 draft shipped in models/eagle3_smollm2: committed in files under 16 MB with an
-index and a card, imported by `import_draft` onto SmolLM2 at TP=2, it drafts tokens the base
-accepts and its greedy speculative output equals plain greedy output."""
+"""The drafts shipped in models/ (EAGLE3 and the DFlash block draft): committed in files
+under 16 MB with an index and a card, imported through their method's importer onto SmolLM2
+at TP=2, each drafts tokens the base accepts and its greedy speculative output equals plain
+greedy output."""
 
 import json
 from pathlib import Path
@@ -8,20 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_specdec import distributed
+from megatron_specdec import distributed, registry
 from workers import is_writer
 
-SHIPPED = Path(__file__).resolve().parents[1] / "models" / "eagle3_smollm2"
+MODELS = Path(__file__).resolve().parents[1] / "models"
+SHIPPED = {"eagle3": MODELS / "eagle3_smollm2", "dflash": MODELS / "dflash_smollm2"}
 NEW = 48
 
 
-def test_shipped_files_are_committable_and_described():
-    files = sorted(SHIPPED.glob("*.safetensors"))
+@pytest.mark.parametrize("algo", sorted(SHIPPED))
+def test_shipped_files_are_committable_and_described(algo):
+    files = sorted(SHIPPED[algo].glob("*.safetensors"))
     assert files and all(f.stat().st_size < 16 * 10**6 for f in files)
     if len(files) > 1:
-        index = json.loads((SHIPPED / "model.safetensors.index.json").read_text())
+        index = json.loads((SHIPPED[algo] / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"].values()) == {f.name for f in files}
-    card = (SHIPPED / "README.md").read_text()
+    card = (SHIPPED[algo] / "README.md").read_text()
     for field in ("Data", "Recipe", "Command", "Steps", "Hardware", "Acceptance length"):
         assert field in card, field
 
@@ -42,15 +45,15 @@ def _worker(ckpt, prompt, out_file):
 
 
 @pytest.mark.slow
-def test_shipped_draft_imports_at_tp2_and_equals_greedy(default_hf_dir, chat_prompt_ids,
+@pytest.mark.parametrize("algo", sorted(SHIPPED))
+def test_shipped_draft_imports_at_tp2_and_equals_greedy(algo, default_hf_dir, chat_prompt_ids,
                                                          tmp_path):
-    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
     from megatron_specdec.loading.hf_conversion import hf_to_megatron
 
     base, spec = tmp_path / "base", tmp_path / "spec"
     hf_to_megatron(default_hf_dir, base, tp=2)  # 3 query groups: TP=2 pads them to 4 at import
-    cfg = import_eagle3(SHIPPED, base, spec, tp=2)
-    assert cfg.algo == "eagle3" and cfg.draft_vocab_size < 49152
+    cfg = registry.get(algo).import_hf(SHIPPED[algo], base, spec, tp=2)
+    assert cfg.algo == algo
     out = tmp_path / "out.pt"
     distributed.spawn(_worker, 2, str(spec), chat_prompt_ids, str(out))
     got = torch.load(out, weights_only=True)
