@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted([REPO / "README.md", REPO / "RESULTS.md", REPO / "CHANGELOG.md",
                REPO / "data" / "README.md", REPO / "data" / "sources" / "README.md",
-               REPO / "models" / "eagle3_smollm2" / "README.md",
+               *(REPO / "models").glob("*/README.md"),
                *(p for p in (REPO / "docs").rglob("*.md") if "reference" not in p.parts)])
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 LAUNCHERS = {"python", "python3", "torchrun"}
