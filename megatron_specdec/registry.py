@@ -232,6 +232,20 @@ def user_keys(cls) -> list:
     return [f.name for f in fields(cls) if not f.metadata.get("derived")]
 
 
+def resumable_keys(cls) -> list:
+    """The keys a run may change on resume or over a trained draft (they shape no tensor)."""
+    return [f.name for f in fields(cls) if f.metadata.get("resumable")]
+
+
+def check_user_keys(name: str, cls, raw: dict) -> None:
+    """Refuse keys of `raw` a user may not set in method `name`'s config, naming them."""
+    keys = user_keys(cls)
+    unknown = sorted(k for k in raw if k not in keys)
+    if unknown:
+        raise ConfigError(f"unknown {name} config key(s) {', '.join(map(repr, unknown))}; "
+                          f"valid keys: {', '.join(keys)}")
+
+
 def _split_form(algo, config, allowed):
     """(name, dict) from `convert`'s two call forms: `("eagle3", {...})` or ModelOpt's
     `[("eagle", {...})]`."""
@@ -255,11 +269,7 @@ def parse_config(algo, config, num_layers: int, vocab_size: int, allowed=None):
     allowed = tuple(allowed or attaching())
     name, raw = _split_form(algo, config, allowed)
     method = get(name)
-    keys = user_keys(method.config_class)
-    unknown = sorted(k for k in raw if k not in keys)
-    if unknown:
-        raise ConfigError(f"unknown {name} config key(s) {', '.join(map(repr, unknown))}; "
-                          f"valid keys: {', '.join(keys)}")
+    check_user_keys(name, method.config_class, raw)
     cfg = method.config_class(**raw)
     if method.validate is not None:
         method.validate(cfg, num_layers, vocab_size)

@@ -43,27 +43,21 @@ def _warm_start_config(recipe, hf_config, cfg):
     shape no tensor, e.g. DFlash's anchors a row) over it, so a stage that starts from an
     exported draft trains as its recipe says. Any other key the recipe sets must equal the
     draft's: a different block size or layer count cannot apply to trained weights."""
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    changes = {}
-    for key, value in dict(recipe.draft.config).items():
-        if key not in fields:
-            raise RecipeError(f"recipe key 'draft.config.{key}': unknown {cfg.algo} config key; "
-                              f"valid keys: {', '.join(registry.user_keys(type(cfg)))}")
-        if fields[key].metadata.get("resumable"):
-            changes[key] = value
-        elif value != getattr(cfg, key):
-            may = sorted(n for n, f in fields.items() if f.metadata.get("resumable"))
-            raise RecipeError(
-                f"recipe key 'draft.config.{key}': {value!r}, but the draft in "
-                f"{recipe.model.path} has {getattr(cfg, key)!r}; over a trained draft only "
-                f"{', '.join(may) or 'no key'} may change")
-    cfg = dataclasses.replace(cfg, **changes)
+    raw, resumable = dict(recipe.draft.config), registry.resumable_keys(type(cfg))
     method = registry.get(cfg.algo)
-    if method.validate is not None:
-        try:
+    try:
+        registry.check_user_keys(cfg.algo, type(cfg), raw)
+        for key, value in raw.items():
+            if key not in resumable and value != getattr(cfg, key):
+                raise RecipeError(
+                    f"recipe key 'draft.config.{key}': {value!r}, but the draft in "
+                    f"{recipe.model.path} has {getattr(cfg, key)!r}; over a trained draft only "
+                    f"{', '.join(sorted(resumable)) or 'no key'} may change")
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in raw.items() if k in resumable})
+        if method.validate is not None:
             method.validate(cfg, hf_config.num_hidden_layers, hf_config.vocab_size)
-        except registry.ConfigError as e:
-            raise RecipeError(f"recipe key 'draft.config': {e}") from None
+    except registry.ConfigError as e:
+        raise RecipeError(f"recipe key 'draft.config': {e}") from None
     return cfg
 
 

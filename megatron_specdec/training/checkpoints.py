@@ -214,8 +214,7 @@ def check_compatible(path, meta: dict, model):
     saved = record["draft"]
     mine = registry.config_to_dict(model.spec_config)
     fields = dataclasses.fields(model.spec_config)
-    # Keys a run may change on resume (they shape no tensor): marked so in the config class.
-    resumable = {f.name for f in fields if f.metadata.get("resumable")}
+    resumable = registry.resumable_keys(type(model.spec_config))
     saved_config = dict(saved["config"])
     if saved["algo"] == mine["algo"]:  # a key added since the checkpoint was written: its default
         saved_config = {**{f.name: f.default for f in fields
