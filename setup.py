@@ -11,7 +11,11 @@ from setuptools import find_packages, setup
 
 
 def _ext_modules():
-    """C++ acceptance ops always; their CUDA twins when torch has CUDA and nvcc exists."""
+    """C++ acceptance ops always; their CUDA twins when torch has CUDA and nvcc exists.
+
+    -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in ATen's headers, so
+    without it every CPU op runs on one thread; the library resolves to the libgomp torch
+    already loaded (same soname)."""
     sources = sorted(glob.glob("megatron_specdec/csrc/*.cpp"))
     if not sources:
         return [], {}
@@ -30,10 +34,12 @@ def _ext_modules():
             "megatron_specdec._C",
             sources + cuda_sources,
             define_macros=[("SPECDEC_WITH_CUDA", None)],
-            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+            extra_compile_args={"cxx": ["-O3", "-fopenmp"], "nvcc": ["-O3"]},
+            extra_link_args=["-fopenmp"],
         )
     else:
-        ext = CppExtension("megatron_specdec._C", sources, extra_compile_args=["-O3"])
+        ext = CppExtension("megatron_specdec._C", sources, extra_compile_args=["-O3", "-fopenmp"],
+                           extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension}
 
 
