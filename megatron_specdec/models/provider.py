@@ -43,13 +43,17 @@ def resolve_transformer_impl(impl: str = "auto") -> str:
 def layer_spec(config, impl: str):
     """megatron-core's GPT layer spec for `impl` with the decoding attention of
     models/layers/decode_attention.py (rotated-key cache, caller's mask applied); the local spec
-    also takes the small-row linears and SDPA core attention (models/layers/small_rows_linear.py).
+    also takes the small-row linears and SDPA core attention (models/layers/small_rows_linear.py),
+    and a dense layer the lean decoding forward (models/layers/decode_layer.py).
     Parameter names and shapes are megatron's own."""
     from dataclasses import replace
 
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     from megatron_specdec.models.layers.decode_attention import DecodeSelfAttention, SDPAttention
+    from megatron_specdec.models.layers.decode_layer import DecodeTransformerLayer
     from megatron_specdec.models.layers.small_rows_linear import (
         SmallRowsColumnParallelLinear,
         SmallRowsRowParallelLinear,
@@ -84,7 +88,9 @@ def layer_spec(config, impl: str):
         keys = {k: v for k, v in layer.sharded_state_dict_keys_map.items()
                 if k != "pre_mlp_layernorm."}
         layer = replace(layer, sharded_state_dict_keys_map=keys)
-    return replace(spec, submodules=replace(layer, self_attention=attention, mlp=mlp))
+    module = DecodeTransformerLayer if spec.module is TransformerLayer else spec.module
+    return replace(spec, module=module,
+                   submodules=replace(layer, self_attention=attention, mlp=mlp))
 
 
 def make_model_provider(hf_config, tp=1, pp=1, dtype=torch.float32, transformer_impl="auto",

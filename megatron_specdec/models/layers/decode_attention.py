@@ -10,6 +10,7 @@ so every backend applies it. Every other call (training, megatron's own inferenc
 runs megatron's SelfAttention unchanged.
 """
 
+from functools import cached_property
 from typing import Optional, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS
+from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 
 
 # On a CPU, a batch-1 step or causal chain up to this long attends query by query on one
@@ -189,7 +191,9 @@ class _CacheBlocks(list):
 
 
 class DecodeSelfAttention(SelfAttention):
-    """SelfAttention with the DecodeCache path above; parameters and checkpoints unchanged."""
+    """SelfAttention with the DecodeCache path above; parameters and checkpoints unchanged.
+    `decode` is the same path without the linears' and the QKV split's per-call machinery,
+    for the decoding layer (models/layers/decode_layer.py)."""
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None,
                 inference_context=None, **kwargs):
@@ -197,29 +201,58 @@ class DecodeSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, key_value_states,
                                    inference_context, **kwargs)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        freqs = inference_context.rotary
+        return self.linear_proj(self._attend(query, key, value, attention_mask,
+                                             inference_context))
+
+    @cached_property
+    def lean(self) -> bool:
+        """Whether `decode` computes what forward does: small-row linears, at least one query
+        group per TP rank (megatron gathers the QKV output otherwise), no output gate."""
+        return (plain_decoding_linear(self.linear_qkv) and plain_decoding_linear(self.linear_proj)
+                and self.config.num_query_groups >= self.world_size
+                and not getattr(self.config, "attention_output_gate", False)
+                and not self.config.test_mode)
+
+    def decode(self, hidden_states, attention_mask, cache: DecodeCache):
+        """(output, bias) of forward under `cache`, by the same tensor ops: megatron's QKV
+        split (get_query_key_value_tensors) written out."""
+        mixed, _ = decode_linear(self.linear_qkv, hidden_states)
+        groups = self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        dim = self.hidden_size_per_attention_head
+        mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 2) * dim)
+        query, key, value = torch.split(mixed, [per_group * dim, dim, dim], dim=3)
+        query = query.reshape(query.size(0), query.size(1), -1, dim)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return decode_linear(self.linear_proj,
+                             self._attend(query, key, value, attention_mask, cache))
+
+    def _attend(self, query, key, value, attention_mask, cache: DecodeCache) -> Tensor:
+        """Rotate the new queries and keys, append keys and values to the cache, attend."""
+        freqs = cache.rotary
         if freqs is not None and (self.config.apply_rope_fusion
                                   or self.config.multi_latent_attention):
             query = apply_rotary_pos_emb(query, freqs, config=self.config)
             key = apply_rotary_pos_emb(key, freqs, config=self.config)
         elif freqs is not None:
-            cos, sin = inference_context.cos_sin(query.dtype)
+            cos, sin = cache.cos_sin(query.dtype)
             query = rotate(query, cos, sin, self.config.rotary_interleaved)
             key = rotate(key, cos, sin, self.config.rotary_interleaved)
-        keys, values = inference_context.append(self.layer_number, key, value)
-        ends = inference_context.query_ends
+        keys, values = cache.append(self.layer_number, key, value)
+        ends = cache.query_ends
         if ends is None:
-            context = self.core_attention(query, keys, values, attention_mask,
-                                          attn_mask_type=AttnMaskType.arbitrary)
-        else:
-            # Each query of a batch-1 chain as the one-token step at its position runs it
-            # (the same call): the kernel's result for a query depends on how many share the
-            # call, so this keeps a verify forward's attention bitwise equal to plain steps'.
-            context = torch.cat(per_query(
-                lambda i, end: self.core_attention(query[i: i + 1], keys[:end], values[:end],
-                                                   None, attn_mask_type=AttnMaskType.arbitrary),
-                ends))
-        return self.linear_proj(context)
+            return self.core_attention(query, keys, values, attention_mask,
+                                       attn_mask_type=AttnMaskType.arbitrary)
+        # Each query of a batch-1 chain as the one-token step at its position runs it (the
+        # same call): the kernel's result for a query depends on how many share the call, so
+        # this keeps a verify forward's attention bitwise equal to plain steps'.
+        return torch.cat(per_query(
+            lambda i, end: self.core_attention(query[i: i + 1], keys[:end], values[:end],
+                                               None, attn_mask_type=AttnMaskType.arbitrary),
+            ends))
 
 
 class SDPAttention(DotProductAttention):

@@ -39,3 +39,25 @@ class SmallRowsColumnParallelLinear(_SmallRowsMixin, ColumnParallelLinear):
 
 class SmallRowsRowParallelLinear(_SmallRowsMixin, RowParallelLinear):
     pass
+
+
+def decode_linear(linear, x: torch.Tensor):
+    """(output, bias) of a small-rows Column/RowParallelLinear over `x` as its own forward
+    returns them without grad (bias separate under `skip_bias_add`, a row-parallel output
+    summed over TP), without the forward's autograd-function and offload bookkeeping: the
+    decoding layer (models/layers/decode_layer.py) calls it ~120 times a step."""
+    out = rows_linear(x, linear.weight)
+    if isinstance(linear, RowParallelLinear) and linear.tp_group.size() > 1:
+        torch.distributed.all_reduce(out, group=linear.tp_group)
+    if linear.skip_bias_add or linear.bias is None:
+        return out, linear.bias
+    return out + linear.bias, None
+
+
+def plain_decoding_linear(linear) -> bool:
+    """Whether decode_linear computes `linear`'s forward: a small-rows linear without
+    sequence parallelism, output gathering or expert communication."""
+    return (isinstance(linear, _SmallRowsMixin) and not linear.sequence_parallel
+            and not getattr(linear, "gather_output", False)
+            and getattr(linear, "input_is_parallel", True)
+            and not getattr(linear, "explicit_expert_comm", False))

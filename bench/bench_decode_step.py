@@ -1,0 +1,122 @@
+"""Where a decoding forward's time goes on this machine: the embedded SmolLM2 (fp32, batch 1)
+over a 128-token context, forwards of q = 1, 2, 4, 8 tokens (a plain step, verify forwards)
+through the decoding layer (models/layers/decode_layer.py) and through megatron's
+TransformerLayer forward, beside the weight products alone and the read-bandwidth bound.
+
+    python bench/bench_decode_step.py [--repeats 30] [--out bench/results/decode_step.json]
+
+Each figure is the median of `repeats` forwards, the two paths interleaved. Writes the CPU
+model, threads, the measured read bandwidth, the commit and the load average with them.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_linear import commit, read_bandwidth_gbs  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_step.json"
+QUERIES = (1, 2, 4, 8)
+CONTEXT = 128
+
+
+def weights_of(base):
+    """The decoding products' weights of a step, in order (four a layer, then the output)."""
+    weights = []
+    for layer in base.decoder.layers:
+        attention, mlp = layer.self_attention, layer.mlp
+        weights += [attention.linear_qkv.weight, attention.linear_proj.weight,
+                    mlp.linear_fc1.weight, mlp.linear_fc2.weight]
+    return weights + [base.shared_embedding_or_output_weight()
+                      if base.share_embeddings_and_output_weights else base.output_layer.weight]
+
+
+def set_lean(base, lean: bool):
+    for layer in base.decoder.layers:
+        layer.__dict__["lean"] = lean and type(layer).lean.func(layer)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: expected >= 1")
+
+    from megatron_specdec import distributed
+    from megatron_specdec.cli.common import setup_logging
+    from megatron_specdec.inference.generation import StageRunner
+    from megatron_specdec.loading.hf_conversion import model_from_hf
+    from megatron_specdec.models.default_model import default_model_dir
+    from megatron_specdec.models.layers.linear_kernels import machine, product
+
+    setup_logging()
+    distributed.initialize(1, 1)
+    base, _ = model_from_hf(default_model_dir())
+    base.eval()
+    load_before = os.getloadavg()[0]
+    bandwidth = read_bandwidth_gbs()
+    weights = weights_of(base)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    bound_ms = weight_bytes / bandwidth / 1e6
+
+    g = torch.Generator().manual_seed(0)
+    runner = StageRunner(base, 1, CONTEXT + max(QUERIES) + 1, base.vocab_size)
+    times = {path: {q: [] for q in QUERIES} for path in ("decode", "forward")}
+    with torch.no_grad():
+        runner.step(torch.randint(0, 49152, (1, CONTEXT), generator=g), last_only=True)
+        for _ in range(args.repeats + 2):  # two warm-up rounds
+            for q in QUERIES:
+                tokens = torch.randint(0, 49152, (1, q), generator=g)
+                for path in times:
+                    set_lean(base, path == "decode")
+                    start = time.perf_counter()
+                    runner.step(tokens)
+                    times[path][q].append((time.perf_counter() - start) * 1e3)
+                    runner.rewind(q)
+        products = [product(w, 1) for w in weights]
+        inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in weights}
+        gemm = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for fn, w in zip(products, weights):
+                fn(inputs[w.shape[1]], w)
+            gemm.append((time.perf_counter() - start) * 1e3)
+    set_lean(base, True)
+    median = {path: {q: statistics.median(t[2:]) for q, t in by_q.items()}
+              for path, by_q in times.items()}
+    report = {
+        "machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "read_bandwidth_gbs": round(bandwidth, 2), "weight_mb": round(weight_bytes / 1e6, 1),
+        "bound_ms": round(bound_ms, 2), "context": CONTEXT, "repeats": args.repeats,
+        "weight_products_ms": round(statistics.median(gemm), 2),
+        "forward_ms": {path: {str(q): round(ms, 2) for q, ms in by_q.items()}
+                       for path, by_q in median.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out)
+    m = report["machine"]
+    print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; read {bandwidth:.1f} GB/s, "
+          f"{report['weight_mb']} MB of weights: bound {bound_ms:.1f} ms a step")
+    print(f"weight products alone (1 row): {report['weight_products_ms']:.1f} ms")
+    print("| tokens | decoding layer ms | megatron forward ms | x one-token (decoding layer) |")
+    print("|---|---|---|---|")
+    for q in QUERIES:
+        print(f"| {q} | {median['decode'][q]:.1f} | {median['forward'][q]:.1f} | "
+              f"{median['decode'][q] / median['decode'][1]:.2f} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""A transformer layer whose decoding forward skips megatron's per-call machinery.
+
+A decode step of a small model on a CPU is mostly overhead around the arithmetic: per layer,
+megatron's TransformerLayer runs recompute and offload handlers, TP mapping autograd
+functions around every linear, nvtx ranges, bias-dropout-add factories and about fifteen
+module calls, which on a 2-core machine cost more than the layer's four weight products
+(bench/bench_decode_step.py). Under a DecodeCache without grad, `DecodeTransformerLayer`
+runs `decode` instead: the same tensor ops in the same order (norm, QKV, RoPE, cache,
+attention, projection, residual, norm, fc1, activation, fc2, residual), so its output is
+bitwise the one forward gives (tests/test_decode_layer.py). Layers it cannot reproduce
+(MoE, Transformer Engine modules, recompute, fused activations) keep forward.
+"""
+
+from functools import cached_property
+
+import torch
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
+from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
+
+# The arguments `decode` takes; another one given (not None) keeps forward.
+_DECODE_KWARGS = frozenset(("hidden_states", "attention_mask", "inference_context"))
+
+
+def lean_mlp(mlp) -> bool:
+    """Whether mlp_decode computes `mlp`'s forward: a dense MLP of small-row linears with the
+    unfused activation."""
+    config = mlp.config
+    return (type(mlp) is MLP and plain_decoding_linear(mlp.linear_fc1)
+            and plain_decoding_linear(mlp.linear_fc2)
+            and not config.use_te_activation_func and not config.bias_activation_fusion
+            and getattr(config, "activation_func_clamp_value", None) is None)
+
+
+def mlp_decode(mlp, hidden):
+    """(output, bias) of megatron's MLP.forward (unfused activation, no per-token scale)."""
+    config = mlp.config
+    x, bias = decode_linear(mlp.linear_fc1, hidden)
+    if bias is not None:
+        x = x + bias
+    if config.gated_linear_unit:
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        x = config.activation_func(gate) * (linear + config.glu_linear_offset)
+    else:
+        x = mlp.activation_func(x)
+    return decode_linear(mlp.linear_fc2, x)
+
+
+def residual_add(out, bias, residual):
+    """megatron's bias-dropout-add in eval: out (+ bias), plus the residual."""
+    if residual.dtype != out.dtype:
+        residual = residual.to(out.dtype)
+    if bias is not None:
+        out = out + bias
+    return out + residual
+
+
+class DecodeTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer with the decoding path above; parameters, checkpoints and
+    every other forward unchanged."""
+
+    def forward(self, *args, **kwargs):
+        cache = kwargs.get("inference_context")
+        if (isinstance(cache, DecodeCache) and not args and not torch.is_grad_enabled()
+                and not self.training and self.lean
+                and all(v is None for k, v in kwargs.items() if k not in _DECODE_KWARGS)):
+            return self.decode(kwargs["hidden_states"], kwargs.get("attention_mask"), cache), None
+        return super().forward(*args, **kwargs)
+
+    @cached_property
+    def lean(self) -> bool:
+        """Whether `decode` computes what forward does for this layer."""
+        return (isinstance(self.self_attention, DecodeSelfAttention) and self.self_attention.lean
+                and lean_mlp(self.mlp) and isinstance(self.cross_attention, IdentityOp)
+                and not (self.recompute_input_layernorm or self.recompute_pre_mlp_layernorm
+                         or self.recompute_mlp)
+                and not getattr(self.config, "inference_fuse_tp_communication", False)
+                and not getattr(self, "offload_attn_norm", False)
+                and not getattr(self, "offload_mlp_norm", False))
+
+    def decode(self, hidden_states, attention_mask, cache: DecodeCache):
+        """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
+        out, bias = self.self_attention.decode(self.input_layernorm(hidden_states),
+                                               attention_mask, cache)
+        hidden_states = residual_add(out, bias, hidden_states)
+        out, bias = mlp_decode(self.mlp, self.pre_mlp_layernorm(hidden_states))
+        return residual_add(out, bias, hidden_states)
