@@ -3,9 +3,10 @@
 // Output features are split into blocks of kOut weight rows, spread over torch's intra-op
 // (OpenMP) threads. A block's weight rows are streamed from memory once and, while they sit in
 // L1, multiplied by every row of x, a few rows per pass (an ISA's kRows: the accumulators fill
-// its vector registers). Each output element keeps one vector accumulator over K (lane i holds
-// k = i mod lanes), a masked tail, then a fixed horizontal sum: the same order whatever M, the
-// pass a row falls in, or the thread, which is what makes the op row-invariant. The ISA path
+// its vector registers); the first pass prefetches the next block's rows. Each output element
+// keeps one vector accumulator over K (lane i holds k = i mod lanes), a masked tail, then a
+// fixed horizontal sum: the same order whatever M, the pass a row falls in, or the thread,
+// which is what makes the op row-invariant. The ISA path
 // is picked once per process from the CPU (GCC target attributes, no -march in the build).
 #include "skinny_gemm.h"
 
@@ -35,7 +36,19 @@ struct Operands {
   int64_t k;
   float* y;
   int64_t ldy;
+  // The next block's kOut weight rows, prefetched while this one computes (the first pass
+  // over x only), so that the memory stream keeps going while the block's rows of x are
+  // multiplied; nullptr: none.
+  const float* next = nullptr;
 };
+
+inline void prefetch_line(const float* p) {
+#ifdef SPECDEC_X86
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
 
 // Reference path (no vector ISA): one sequential sum per output element.
 struct Scalar {
@@ -78,6 +91,10 @@ struct Avx512 {
     }
     int64_t k = 0;
     for (; k + 16 <= o.k; k += 16) {
+      if (o.next != nullptr) {
+#pragma GCC unroll 4
+        for (int n = 0; n < kOut; ++n) prefetch_line(o.next + n * o.ldw + k);
+      }
       __m512 wv[NB];
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(o.w + n * o.ldw + k);
@@ -126,6 +143,10 @@ struct Avx2 {
     }
     int64_t k = 0;
     for (; k + 8 <= o.k; k += 8) {
+      if (o.next != nullptr && (k & 15) == 0) {
+#pragma GCC unroll 4
+        for (int n = 0; n < kOut; ++n) prefetch_line(o.next + n * o.ldw + k);
+      }
       __m256 wv[NB];
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(o.w + n * o.ldw + k);
@@ -177,6 +198,7 @@ void all_rows(int64_t rows, Operands o) {
     Isa::template block<NB, Isa::kRows>(o);
     o.x += Isa::kRows * o.ldx;
     o.y += Isa::kRows * o.ldy;
+    o.next = nullptr;
   }
   tail_rows<Isa, NB, Isa::kRows - 1>(rows - m, o);
 }
@@ -192,6 +214,7 @@ void run(const Operands& all, int64_t rows, int64_t out_features) {
       Operands o = all;
       o.w = all.w + n * all.ldw;
       o.y = all.y + n;
+      o.next = (b + 1 < end && n + 2 * kOut <= out_features) ? o.w + kOut * all.ldw : nullptr;
       if (n + kOut <= out_features) {
         all_rows<Isa, kOut>(rows, o);
         continue;
