@@ -6,8 +6,8 @@
 // its vector registers); the first pass prefetches the next block's rows. Each output element
 // keeps one vector accumulator over K (lane i holds k = i mod lanes), a masked tail, then a
 // fixed horizontal sum: the same order whatever M, the pass a row falls in, or the thread,
-// which is what makes the op row-invariant. The ISA path
-// is picked once per process from the CPU (GCC target attributes, no -march in the build).
+// which is what makes the op row-invariant. The ISA path is picked once per process from the
+// CPU (GCC target attributes, no -march in the build).
 #include "skinny_gemm.h"
 
 #include <ATen/Parallel.h>
