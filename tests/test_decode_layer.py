@@ -97,3 +97,19 @@ def test_moe_layer_keeps_megatron_forward():
     base = build_model(config("qwen3_moe")).eval()
     assert not any(layer.lean for layer in base.decoder.layers)
     logits(base, False)  # and decodes through it
+
+
+def test_a_prefill_wider_than_the_small_row_products_equals_megatron_forward():
+    """Past MAX_ROWS rows the decoding layer's linears take the modules' own forward."""
+    from megatron_specdec.inference.generation import StageRunner
+    from megatron_specdec.models.layers.linear_kernels import MAX_ROWS
+
+    distributed.initialize(1, 1)
+    base = base_model(hf_config("llama"))
+    tokens = torch.randint(0, 512, (1, MAX_ROWS + 20), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for lean in (True, False):
+        for layer in base.decoder.layers:
+            layer.__dict__["lean"] = lean
+        out[lean] = StageRunner(base, 1, MAX_ROWS + 20, 512).step(tokens)
+    assert torch.equal(out[True], out[False]), (out[True] - out[False]).abs().max()

@@ -21,8 +21,12 @@ def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias) by the product this machine runs fastest for the row count."""
     if uses_small_rows(x, weight):
-        return product(weight, x.numel() // max(1, x.shape[-1]))(x, weight)
+        return _small_rows(x, weight)
     return F.linear(x, weight)
+
+
+def _small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return product(weight, x.numel() // max(1, x.shape[-1]))(x, weight)
 
 
 class _SmallRowsMixin:
@@ -45,8 +49,12 @@ def decode_linear(linear, x: torch.Tensor):
     """(output, bias) of a small-rows Column/RowParallelLinear over `x` as its own forward
     returns them without grad (bias separate under `skip_bias_add`, a row-parallel output
     summed over TP), without the forward's autograd-function and offload bookkeeping: the
-    decoding layer (models/layers/decode_layer.py) calls it ~120 times a step."""
-    out = rows_linear(x, linear.weight)
+    decoding layer (models/layers/decode_layer.py) calls it ~120 times a step. A call too
+    wide for the small-row products (a long prefill) takes the module's own forward, as the
+    module would: megatron's product there, not F.linear."""
+    if not uses_small_rows(x, linear.weight):
+        return linear(x)
+    out = _small_rows(x, linear.weight)
     if isinstance(linear, RowParallelLinear) and linear.tp_group.size() > 1:
         torch.distributed.all_reduce(out, group=linear.tp_group)
     if linear.skip_bias_add or linear.bias is None:
