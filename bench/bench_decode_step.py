@@ -51,6 +51,7 @@ def main():
         raise SystemExit(f"--repeats {args.repeats}: expected >= 1")
 
     from megatron_specdec import distributed
+    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
@@ -103,9 +104,7 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, json.dumps(report, indent=1) + "\n")
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; read {bandwidth:.1f} GB/s, "
           f"{report['weight_mb']} MB of weights: bound {bound_ms:.1f} ms a step")

@@ -68,6 +68,7 @@ def describe_machine() -> dict:
 
 
 def main():
+    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
@@ -108,9 +109,7 @@ def main():
               "of_bound = (weight bytes / read bandwidth) / ms", "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(out)
+    write_text_atomic(out, json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 
