@@ -1,6 +1,8 @@
-"""The decoding layer (models/layers/decode_layer.py) gives bitwise the logits of megatron's
-TransformerLayer forward: for Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) bases, at TP=1
-and TP=2, over a ragged prefill, a chain verify and one-token steps of a batch of two. An MoE
+"""The decoding layer (models/layers/decode_layer.py) with its PyTorch ops gives bitwise the
+logits of megatron's TransformerLayer forward: for Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k
+norm) bases, at TP=1 and TP=2, over a ragged prefill, a chain verify and one-token steps of a
+batch of two. With its C++ ops (csrc/decode_ops.cpp) it equals forward within float32
+rounding at batch 1 and 2, and a batch-1 chain's logits equal one-token steps' bitwise. An MoE
 layer keeps megatron's forward."""
 
 import pytest
@@ -39,20 +41,30 @@ def base_model(hf):
     return base.eval()
 
 
-def logits(base, lean: bool):
-    """Logits of a ragged two-row prefill, a 5-token chain and three one-token steps, with
-    the decoding layer's path (`lean`) or megatron's forward."""
+def set_path(base, lean: bool, fused: bool = False):
+    """The decoding layer (`lean`) or megatron's forward; the decoding layer's C++ ops where
+    `fused` and the layer can take them, else its PyTorch ops (the cached properties, decided
+    here instead)."""
+    for layer in base.decoder.layers:
+        layer.__dict__["lean"] = lean
+        layer.__dict__["fused"] = type(layer).fused.func(layer) if fused else (False,) * 3
+        attention = layer.self_attention
+        attention.__dict__["chain_op"] = fused and type(attention).chain_op.func(attention)
+
+
+def logits(base, lean: bool, fused: bool = False, batch: int = 2):
+    """Logits of a ragged prefill (one row: a prompt), a 5-token chain and three one-token
+    steps, through `set_path`'s path."""
     from megatron_specdec.inference.generation import StageRunner, left_pad
 
-    for layer in base.decoder.layers:
-        layer.__dict__["lean"] = lean  # the cached property, decided here instead
+    set_path(base, lean, fused)
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (11, 7)]
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (11, 7)[:batch]]
     tokens, counts = left_pad(prompts, 0, bucket=4)
-    runner = StageRunner(base, 2, 40, 512)
-    out = [runner.step(tokens, counts=counts)]
-    out.append(runner.step(torch.randint(0, 512, (2, 5), generator=g)))
-    out += [runner.step(torch.randint(0, 512, (2, 1), generator=g)) for _ in range(3)]
+    runner = StageRunner(base, batch, 40, 512)
+    out = [runner.step(tokens, counts=counts if batch > 1 else None)]
+    out.append(runner.step(torch.randint(0, 512, (batch, 5), generator=g)))
+    out += [runner.step(torch.randint(0, 512, (batch, 1), generator=g)) for _ in range(3)]
     return torch.cat(out, dim=1)
 
 
@@ -89,6 +101,40 @@ def test_decoding_layer_equals_megatron_forward_at_tp2(tmp_path):
         (got["decode"] - got["forward"]).abs().max()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decoding_layer_with_its_cpp_ops_equals_megatron_forward(family, batch):
+    distributed.initialize(1, 1)
+    base = base_model(hf_config(family))
+    set_path(base, True, True)
+    layer = base.decoder.layers[0]
+    assert all(layer.fused)
+    # Qwen3's q/k norms sit between the QKV product and RoPE: its attention keeps PyTorch's.
+    assert layer.self_attention.chain_op == (family != "qwen3")
+    decode, forward = logits(base, True, True, batch), logits(base, False, batch=batch)
+    torch.testing.assert_close(decode, forward, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_chain_through_the_cpp_ops_equals_one_token_steps_bitwise(family):
+    """What makes speculative output equal plain greedy: a verify forward over k+1 tokens
+    gives each token bitwise the logits a one-token step at its position gives."""
+    from megatron_specdec.inference.generation import StageRunner
+
+    distributed.initialize(1, 1)
+    base = base_model(hf_config(family))
+    set_path(base, True, True)
+    g = torch.Generator().manual_seed(7)
+    prompt, chain = torch.randint(0, 512, (1, 9), generator=g), torch.randint(0, 512, (1, 8),
+                                                                               generator=g)
+    runner = StageRunner(base, 1, 40, 512)
+    runner.step(prompt)
+    together = runner.step(chain)
+    runner.rewind(8)
+    apart = torch.cat([runner.step(chain[:, i: i + 1]) for i in range(8)], dim=1)
+    assert torch.equal(together, apart), (together - apart).abs().max()
+
+
 def test_moe_layer_keeps_megatron_forward():
     from megatron_specdec.models.provider import build_model
     from moe_models import config
@@ -109,7 +155,6 @@ def test_a_prefill_wider_than_the_small_row_products_equals_megatron_forward():
     tokens = torch.randint(0, 512, (1, MAX_ROWS + 20), generator=torch.Generator().manual_seed(2))
     out = {}
     for lean in (True, False):
-        for layer in base.decoder.layers:
-            layer.__dict__["lean"] = lean
+        set_path(base, lean)
         out[lean] = StageRunner(base, 1, MAX_ROWS + 20, 512).step(tokens)
     assert torch.equal(out[True], out[False]), (out[True] - out[False]).abs().max()

@@ -1,9 +1,10 @@
-// Registers the acceptance ops and the decoding skinny GEMM as torch.ops.megatron_specdec.*
+// Registers the acceptance ops, the decoding skinny GEMM and the decoding layer's ops as torch.ops.megatron_specdec.*
 // with their CPU kernels.
 // The CUDA kernels register themselves in ops_cuda.cpp (CUDA builds only).
 #include <Python.h>
 #include <torch/library.h>
 
+#include "decode_ops.h"
 #include "ops.h"
 #include "skinny_gemm.h"
 
@@ -32,6 +33,11 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "float alpha) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def(
+      "chain_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int first, "
+      "int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
@@ -42,4 +48,7 @@ TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
   m.impl("tree_verify_stochastic", &specdec::tree_verify_stochastic_cpu);
   m.impl("typical_verify", &specdec::typical_verify_cpu);
   m.impl("skinny_linear", &specdec::skinny_linear_cpu);
+  m.impl("rms_norm", &specdec::rms_norm_cpu);
+  m.impl("silu_mul", &specdec::silu_mul_cpu);
+  m.impl("chain_attention", &specdec::chain_attention_cpu);
 }

@@ -106,14 +106,18 @@ class StageRunner:
 
         from megatron_specdec.models.layers.small_rows_linear import rows_linear
 
+        from megatron_specdec.models.layers.decode_layer import fused_norm, norm_decode
+
         model = self.model
-        hidden = model.decoder.final_layernorm(hidden)
+        norm = model.decoder.final_layernorm
+        hidden = norm_decode(norm, hidden, fused_norm(norm))
         if self.capture_final:
             self.captured["final"] = hidden
         weight = (model.shared_embedding_or_output_weight()
                   if model.share_embeddings_and_output_weights else model.output_layer.weight)
-        logits = gather_from_tensor_model_parallel_region(rows_linear(hidden, weight),
-                                                          group=model.tp_group)
+        logits = rows_linear(hidden, weight)
+        if model.tp_group.size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, group=model.tp_group)
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
     def rewind(self, n):

@@ -23,8 +23,10 @@ from megatron.core.models.common.embeddings.rope_utils import (
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
+from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 
@@ -117,16 +119,28 @@ class DecodeCache(StaticInferenceContext):
         """Drop the last n (int, or per row [b]) real slots of each row."""
         self.lengths -= torch.as_tensor(n).cpu()
 
-    def append(self, layer_number: int, key: Tensor, value: Tensor):
-        """Write key/value [s, b, g, d] at the placed slots; (keys, values) of every slot up to
-        the longest row's end."""
+    def buffers(self, layer_number: int, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """The layer's whole (keys, values) [max_length, b, g, d], allocated at first use
+        like `like` [s, b, g, d]."""
         if layer_number not in self.key_value_memory_dict:
             # Zeros, not empty: a row attends to none of the slots beyond its length, but a
             # masked NaN would still reach the output through its zero weight.
-            shape = (self.max_sequence_length,) + tuple(key.shape[1:])
-            self.key_value_memory_dict[layer_number] = (
-                key.new_zeros(shape), value.new_zeros(shape))
-        keys, values = self.key_value_memory_dict[layer_number]
+            shape = (self.max_sequence_length,) + tuple(like.shape[1:])
+            self.key_value_memory_dict[layer_number] = (like.new_zeros(shape),
+                                                        like.new_zeros(shape))
+        return self.key_value_memory_dict[layer_number]
+
+    def chain_start(self) -> Optional[int]:
+        """The first slot of the placed tokens when they are one sequence's causal chain at
+        consecutive slots on a CPU (what the chain_attention op computes), else None."""
+        if self.query_ends is None or self._span is None:
+            return None
+        return self._span[0]
+
+    def append(self, layer_number: int, key: Tensor, value: Tensor):
+        """Write key/value [s, b, g, d] at the placed slots; (keys, values) of every slot up to
+        the longest row's end."""
+        keys, values = self.buffers(layer_number, key)
         if self._span is not None:
             keys[self._span[0]: self._span[1]] = key
             values[self._span[0]: self._span[1]] = value
@@ -213,10 +227,30 @@ class DecodeSelfAttention(SelfAttention):
                 and not getattr(self.config, "attention_output_gate", False)
                 and not self.config.test_mode)
 
+    @cached_property
+    def chain_op(self) -> bool:
+        """Whether a batch-1 chain's RoPE, cache write and attention can run as the C++
+        chain_attention op: float32, rotate-half RoPE, no q/k norm, plain softmax."""
+        config = self.config
+        return (config.params_dtype == torch.float32
+                and all(norm is None or isinstance(norm, IdentityOp)
+                        for norm in (self.q_layernorm, self.k_layernorm))
+                and not config.rotary_interleaved
+                and not config.apply_rope_fusion and not config.multi_latent_attention
+                and isinstance(self.core_attention, SDPAttention)
+                and config.softmax_type == "vanilla"
+                and not config.apply_query_key_layer_scaling
+                and op_available("chain_attention"))
+
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """(output, bias) of forward under `cache`, by the same tensor ops: megatron's QKV
-        split (get_query_key_value_tensors) written out."""
+        split (get_query_key_value_tensors) written out; a batch-1 chain on a CPU (chain_op)
+        by one C++ op from the QKV product to the attention output."""
         mixed, _ = decode_linear(self.linear_qkv, hidden_states)
+        first = cache.chain_start()
+        if (first is not None and self.chain_op and cache.rotary is not None
+                and mixed.dtype == torch.float32):
+            return decode_linear(self.linear_proj, self._chain(mixed, cache, first))
         groups = self.num_query_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups
         dim = self.hidden_size_per_attention_head
@@ -229,6 +263,18 @@ class DecodeSelfAttention(SelfAttention):
             key = self.k_layernorm(key)
         return decode_linear(self.linear_proj,
                              self._attend(query, key, value, attention_mask, cache))
+
+    def _chain(self, mixed, cache: DecodeCache, first: int) -> Tensor:
+        """Attention output [s, 1, heads * d] of a batch-1 chain from its QKV product."""
+        s = mixed.shape[0]
+        dim = self.hidden_size_per_attention_head
+        keys, values = cache.buffers(self.layer_number, mixed.new_empty(
+            s, 1, self.num_query_groups_per_partition, dim))
+        cos, sin = cache.cos_sin(mixed.dtype)
+        scale = self.core_attention.softmax_scale
+        return torch.ops.megatron_specdec.chain_attention(
+            mixed, cos.reshape(s, -1), sin.reshape(s, -1), keys, values, first,
+            self.num_attention_heads_per_partition, dim ** -0.5 if scale is None else scale)
 
     def _attend(self, query, key, value, attention_mask, cache: DecodeCache) -> Tensor:
         """Rotate the new queries and keys, append keys and values to the cache, attend."""

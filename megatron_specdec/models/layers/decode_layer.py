@@ -7,8 +7,13 @@ module calls, which on a 2-core machine cost more than the layer's four weight p
 (bench/bench_decode_step.py). Under a DecodeCache without grad, `DecodeTransformerLayer`
 runs `decode` instead: the same tensor ops in the same order (norm, QKV, RoPE, cache,
 attention, projection, residual, norm, fc1, activation, fc2, residual), so its output is
-bitwise the one forward gives (tests/test_decode_layer.py). Layers it cannot reproduce
-(MoE, Transformer Engine modules, recompute, fused activations) keep forward.
+the one forward gives (tests/test_decode_layer.py). Layers it cannot reproduce (MoE,
+Transformer Engine modules, recompute, fused activations) keep forward.
+
+In float32 with the extension built, the RMSNorms, the gated SiLU and a batch-1 chain's
+RoPE, cache write and attention run as one C++ op each (csrc/decode_ops.cpp): equal to
+PyTorch's ops within float32 rounding, and row-invariant like the small-row products, so a
+verify forward and plain steps still see bitwise the same logits.
 """
 
 from functools import cached_property
@@ -18,6 +23,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 
@@ -35,13 +41,38 @@ def lean_mlp(mlp) -> bool:
             and getattr(config, "activation_func_clamp_value", None) is None)
 
 
-def mlp_decode(mlp, hidden):
-    """(output, bias) of megatron's MLP.forward (unfused activation, no per-token scale)."""
+def fused_silu(mlp) -> bool:
+    """Whether the MLP's activation is a gated SiLU the C++ op computes (float32)."""
+    config = mlp.config
+    return (config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
+            and config.glu_linear_offset == 0 and config.params_dtype == torch.float32
+            and op_available("silu_mul"))
+
+
+def fused_norm(norm) -> bool:
+    """Whether `norm` is a float32 torch RMSNorm the C++ op computes."""
+    return (type(norm) is torch.nn.RMSNorm and norm.weight is not None
+            and norm.weight.dtype == torch.float32 and op_available("rms_norm"))
+
+
+def norm_decode(norm, x, fused: bool):
+    """The norm's output: the C++ op where `fused` (fused_norm), else the module."""
+    if fused and x.dtype == torch.float32:
+        eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+        return torch.ops.megatron_specdec.rms_norm(x, norm.weight, eps)
+    return norm(x)
+
+
+def mlp_decode(mlp, hidden, fused: bool = False):
+    """(output, bias) of megatron's MLP.forward (unfused activation, no per-token scale);
+    `fused` (fused_silu): the gated SiLU as one C++ op."""
     config = mlp.config
     x, bias = decode_linear(mlp.linear_fc1, hidden)
     if bias is not None:
         x = x + bias
-    if config.gated_linear_unit:
+    if fused and x.dtype == torch.float32:
+        x = torch.ops.megatron_specdec.silu_mul(x)
+    elif config.gated_linear_unit:
         gate, linear = torch.chunk(x, 2, dim=-1)
         x = config.activation_func(gate) * (linear + config.glu_linear_offset)
     else:
@@ -81,10 +112,18 @@ class DecodeTransformerLayer(TransformerLayer):
                 and not getattr(self, "offload_attn_norm", False)
                 and not getattr(self, "offload_mlp_norm", False))
 
+    @cached_property
+    def fused(self) -> tuple:
+        """Which of (input norm, pre-MLP norm, activation) run as C++ ops."""
+        return (fused_norm(self.input_layernorm), fused_norm(self.pre_mlp_layernorm),
+                fused_silu(self.mlp))
+
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
-        out, bias = self.self_attention.decode(self.input_layernorm(hidden_states),
-                                               attention_mask, cache)
+        input_norm, mlp_norm, silu = self.fused
+        out, bias = self.self_attention.decode(
+            norm_decode(self.input_layernorm, hidden_states, input_norm), attention_mask, cache)
         hidden_states = residual_add(out, bias, hidden_states)
-        out, bias = mlp_decode(self.mlp, self.pre_mlp_layernorm(hidden_states))
+        out, bias = mlp_decode(self.mlp, norm_decode(self.pre_mlp_layernorm, hidden_states,
+                                                     mlp_norm), silu)
         return residual_add(out, bias, hidden_states)

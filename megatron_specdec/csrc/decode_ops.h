@@ -1,0 +1,27 @@
+// The element-wise and attention work of a decoding layer (models/layers/decode_layer.py) as one
+// op each: around the weight products of a small model's decode step, PyTorch's eager ops
+// (a dozen for RoPE, the cache write and attention, six for an RMSNorm) cost more than the
+// arithmetic. Float32, row-invariant: a row's result does not depend on the other rows of the
+// call, its position in the call or the thread count.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace specdec {
+
+// torch.nn.functional.rms_norm over the last dim: x [..., H], weight [H] -> [..., H].
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// A gated SiLU: x [..., 2F] -> silu(x[..., :F]) * x[..., F:], [..., F].
+at::Tensor silu_mul_cpu(const at::Tensor& x);
+
+// One sequence's causal chain of s new tokens at cache slots first .. first + s - 1:
+// qkv [s, 1, groups * (heads / groups + 2) * D] (megatron's interleaved QKV layout),
+// cos/sin [s, R] (RoPE of the new tokens, rotate-half, R <= D even), keys/values
+// [L, 1, groups, D]. Rotates the queries and keys, writes the keys and values at their slots
+// and returns each query's attention over slots 0 .. its own, [s, 1, heads * D].
+at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& keys, const at::Tensor& values, int64_t first,
+                               int64_t heads, double scale);
+
+}  // namespace specdec
