@@ -35,6 +35,7 @@ class StageRunner:
     def __init__(self, model, batch_size: int, max_length: int, vocab_size: int,
                  capture_ids=(), capture_final: bool = False):
         from megatron_specdec.models.layers.decode_attention import DecodeCache
+        from megatron_specdec.models.layers.decode_layer import fused_norm
 
         self.model = model
         self.vocab_size = vocab_size
@@ -54,6 +55,8 @@ class StageRunner:
         self.capture_ids = set(capture_ids)
         self.capture_final = capture_final
         self.captured = {}
+        # Decided once, not per step: whether the final norm runs as the C++ op.
+        self.final_norm_fused = self.last and fused_norm(model.decoder.final_layernorm)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -104,13 +107,11 @@ class StageRunner:
         """Final norm and output layer; the vocab-parallel logits are gathered over TP."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+        from megatron_specdec.models.layers.decode_layer import norm_decode
         from megatron_specdec.models.layers.small_rows_linear import rows_linear
 
-        from megatron_specdec.models.layers.decode_layer import fused_norm, norm_decode
-
         model = self.model
-        norm = model.decoder.final_layernorm
-        hidden = norm_decode(norm, hidden, fused_norm(norm))
+        hidden = norm_decode(model.decoder.final_layernorm, hidden, self.final_norm_fused)
         if self.capture_final:
             self.captured["final"] = hidden
         weight = (model.shared_embedding_or_output_weight()

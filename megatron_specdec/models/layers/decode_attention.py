@@ -119,13 +119,13 @@ class DecodeCache(StaticInferenceContext):
         """Drop the last n (int, or per row [b]) real slots of each row."""
         self.lengths -= torch.as_tensor(n).cpu()
 
-    def buffers(self, layer_number: int, like: Tensor) -> Tuple[Tensor, Tensor]:
-        """The layer's whole (keys, values) [max_length, b, g, d], allocated at first use
-        like `like` [s, b, g, d]."""
+    def buffers(self, layer_number: int, slot_shape, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """The layer's whole (keys, values) [max_length, *slot_shape] (slot_shape: b, g, d),
+        allocated at first use with `like`'s dtype and device."""
         if layer_number not in self.key_value_memory_dict:
             # Zeros, not empty: a row attends to none of the slots beyond its length, but a
             # masked NaN would still reach the output through its zero weight.
-            shape = (self.max_sequence_length,) + tuple(like.shape[1:])
+            shape = (self.max_sequence_length,) + tuple(slot_shape)
             self.key_value_memory_dict[layer_number] = (like.new_zeros(shape),
                                                         like.new_zeros(shape))
         return self.key_value_memory_dict[layer_number]
@@ -140,7 +140,7 @@ class DecodeCache(StaticInferenceContext):
     def append(self, layer_number: int, key: Tensor, value: Tensor):
         """Write key/value [s, b, g, d] at the placed slots; (keys, values) of every slot up to
         the longest row's end."""
-        keys, values = self.buffers(layer_number, key)
+        keys, values = self.buffers(layer_number, key.shape[1:], key)
         if self._span is not None:
             keys[self._span[0]: self._span[1]] = key
             values[self._span[0]: self._span[1]] = value
@@ -268,8 +268,8 @@ class DecodeSelfAttention(SelfAttention):
         """Attention output [s, 1, heads * d] of a batch-1 chain from its QKV product."""
         s = mixed.shape[0]
         dim = self.hidden_size_per_attention_head
-        keys, values = cache.buffers(self.layer_number, mixed.new_empty(
-            s, 1, self.num_query_groups_per_partition, dim))
+        keys, values = cache.buffers(
+            self.layer_number, (1, self.num_query_groups_per_partition, dim), mixed)
         cos, sin = cache.cos_sin(mixed.dtype)
         scale = self.core_attention.softmax_scale
         return torch.ops.megatron_specdec.chain_attention(
