@@ -41,23 +41,24 @@ def base_model(hf):
     return base.eval()
 
 
-def set_path(base, lean: bool, fused: bool = False):
+def set_path(base, lean: bool, fused: bool = False, whole: bool = True):
     """The decoding layer (`lean`) or megatron's forward; the decoding layer's C++ ops where
-    `fused` and the layer can take them, else its PyTorch ops (the cached properties, decided
-    here instead)."""
+    `fused` and the layer can take them (a batch-1 chain as the one decode_layer op where
+    `whole` too), else its PyTorch ops (the cached properties, decided here instead)."""
     for layer in base.decoder.layers:
         layer.__dict__["lean"] = lean
         layer.__dict__["fused"] = type(layer).fused.func(layer) if fused else (False,) * 3
         attention = layer.self_attention
         attention.__dict__["chain_op"] = fused and type(attention).chain_op.func(attention)
+        layer.__dict__["layer_op"] = fused and whole and type(layer).layer_op.func(layer)
 
 
-def logits(base, lean: bool, fused: bool = False, batch: int = 2):
+def logits(base, lean: bool, fused: bool = False, batch: int = 2, whole: bool = True):
     """Logits of a ragged prefill (one row: a prompt), a 5-token chain and three one-token
     steps, through `set_path`'s path."""
     from megatron_specdec.inference.generation import StageRunner, left_pad
 
-    set_path(base, lean, fused)
+    set_path(base, lean, fused, whole)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (11, 7)[:batch]]
     tokens, counts = left_pad(prompts, 0, bucket=4)
@@ -133,6 +134,24 @@ def test_a_chain_through_the_cpp_ops_equals_one_token_steps_bitwise(family):
     runner.rewind(8)
     apart = torch.cat([runner.step(chain[:, i: i + 1]) for i in range(8)], dim=1)
     assert torch.equal(together, apart), (together - apart).abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_whole_layer_op_equals_its_ops_one_by_one_bitwise(family, monkeypatch):
+    """decode_layer runs the same kernels in the same order as the per-op path."""
+    from megatron_specdec.models.layers import linear_kernels
+
+    monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny")
+    linear_kernels.reset()
+    distributed.initialize(1, 1)
+    base = base_model(hf_config(family))
+    try:
+        whole = logits(base, True, True, batch=1)
+        assert all(layer.layer_op for layer in base.decoder.layers)
+        apart = logits(base, True, True, batch=1, whole=False)
+    finally:
+        linear_kernels.reset()
+    assert torch.equal(whole, apart), (whole - apart).abs().max()
 
 
 def test_moe_layer_keeps_megatron_forward():

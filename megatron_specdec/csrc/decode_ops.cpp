@@ -6,12 +6,19 @@
 // (and each query-head pair of the attention) is computed start to end by one thread.
 #include "decode_ops.h"
 
+#include "skinny_gemm.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SPECDEC_X86 1
+#endif
 
 namespace specdec {
 namespace {
@@ -37,9 +44,170 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) float dot(const floa
   return lane_sum(acc);
 }
 
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void axpy(float alpha, const float* x, float* y,
-                                                                        int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+// Portable paths: one libm exp per element.
+void silu_mul_row_scalar(const float* gate, const float* up, float* out, int64_t f) {
+  for (int64_t j = 0; j < f; ++j) out[j] = (gate[j] / (1.0f + std::exp(-gate[j]))) * up[j];
+}
+
+// One query's attention over a group's slots 0 .. seen - 1: out [d] = softmax(q . k * scale) v.
+void attend_scalar(const float* query, const float* keys, int64_t key_stride, const float* values,
+                   int64_t value_stride, int64_t seen, int64_t d, float scale, float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < seen; ++t) {
+    scores[t] = dot(query, keys + t * key_stride, d) * scale;
+    top = std::max(top, scores[t]);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < seen; ++t) {
+    scores[t] = std::exp(scores[t] - top);
+    total += scores[t];
+  }
+  std::fill(out, out + d, 0.0f);
+  for (int64_t t = 0; t < seen; ++t) {
+    for (int64_t j = 0; j < d; ++j) out[j] += scores[t] * values[t * value_stride + j];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < d; ++j) out[j] *= inv;
+}
+
+#ifdef SPECDEC_X86
+// exp of 8 floats to ~2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n,
+// 2^n as two factors so that n = 128 does not overflow the exponent field).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
+  const __m256 fn = _mm256_cvtepi32_ps(n);
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i half = _mm256_srai_epi32(n, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(n, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, lo), hi);
+}
+
+// A tail of n < 8 floats as a zero-padded vector (through a buffer: the same arithmetic as the
+// full vectors, whatever the length).
+__attribute__((target("avx2,fma"))) inline __m256 load_tail(const float* p, int64_t n) {
+  alignas(32) float buf[8] = {};
+  std::copy(p, p + n, buf);
+  return _mm256_load_ps(buf);
+}
+
+__attribute__((target("avx2,fma"))) inline void store_tail(__m256 v, float* p, int64_t n) {
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  std::copy(buf, buf + n, p);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 silu(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+__attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const float* gate, const float* up, float* out,
+                                                          int64_t f) {
+  int64_t j = 0;
+  for (; j + 8 <= f; j += 8) _mm256_storeu_ps(out + j, silu(_mm256_loadu_ps(gate + j), _mm256_loadu_ps(up + j)));
+  if (j < f) store_tail(silu(load_tail(gate + j, f - j), load_tail(up + j, f - j)), out + j, f - j);
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, v);
+  return lane_sum(lanes);
+}
+
+// attend_scalar with 8-lane vectors, four keys at a time (independent accumulators).
+__attribute__((target("avx2,fma"))) void attend_avx2(const float* query, const float* keys, int64_t key_stride,
+                                                    const float* values, int64_t value_stride, int64_t seen,
+                                                    int64_t d, float scale, float* scores, float* out) {
+  const int64_t full = d / 8 * 8;
+  const __m256 qt = load_tail(query + full, d - full);
+  float top = -INFINITY;
+  int64_t t = 0;
+  for (; t + 4 <= seen; t += 4) {
+    const float* k = keys + t * key_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < full; j += 8) {
+      const __m256 q = _mm256_loadu_ps(query + j);
+      a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + j), a0);
+      a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + key_stride + j), a1);
+      a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * key_stride + j), a2);
+      a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * key_stride + j), a3);
+    }
+    if (full < d) {
+      a0 = _mm256_fmadd_ps(qt, load_tail(k + full, d - full), a0);
+      a1 = _mm256_fmadd_ps(qt, load_tail(k + key_stride + full, d - full), a1);
+      a2 = _mm256_fmadd_ps(qt, load_tail(k + 2 * key_stride + full, d - full), a2);
+      a3 = _mm256_fmadd_ps(qt, load_tail(k + 3 * key_stride + full, d - full), a3);
+    }
+    scores[t] = hsum(a0) * scale;
+    scores[t + 1] = hsum(a1) * scale;
+    scores[t + 2] = hsum(a2) * scale;
+    scores[t + 3] = hsum(a3) * scale;
+  }
+  for (; t < seen; ++t) {
+    const float* k = keys + t * key_stride;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < full; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(query + j), _mm256_loadu_ps(k + j), acc);
+    if (full < d) acc = _mm256_fmadd_ps(qt, load_tail(k + full, d - full), acc);
+    scores[t] = hsum(acc) * scale;
+  }
+  for (t = 0; t < seen; ++t) top = std::max(top, scores[t]);
+  const __m256 shift = _mm256_set1_ps(top);
+  for (t = 0; t + 8 <= seen; t += 8) {
+    _mm256_storeu_ps(scores + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift)));
+  }
+  if (t < seen) store_tail(exp8(_mm256_sub_ps(load_tail(scores + t, seen - t), shift)), scores + t, seen - t);
+  float total = 0.0f;
+  for (t = 0; t < seen; ++t) total += scores[t];
+  std::fill(out, out + d, 0.0f);
+  for (t = 0; t < seen; ++t) {
+    const __m256 w = _mm256_set1_ps(scores[t]);
+    const float* v = values + t * value_stride;
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) _mm256_storeu_ps(out + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
+    for (; j < d; ++j) out[j] = std::fma(scores[t], v[j], out[j]);
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < d; ++j) out[j] *= inv;
+}
+#endif
+
+// AVX2 + FMA where the CPU has them (decided once), else the portable paths.
+bool avx2() {
+#ifdef SPECDEC_X86
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t f) {
+#ifdef SPECDEC_X86
+  if (avx2()) return silu_mul_row_avx2(gate, up, out, f);
+#endif
+  silu_mul_row_scalar(gate, up, out, f);
+}
+
+void attend(const float* query, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+            int64_t seen, int64_t d, float scale, float* scores, float* out) {
+#ifdef SPECDEC_X86
+  if (avx2()) return attend_avx2(query, keys, key_stride, values, value_stride, seen, d, scale, scores, out);
+#endif
+  attend_scalar(query, keys, key_stride, values, value_stride, seen, d, scale, scores, out);
 }
 
 // out[j] = t[j] cos[j] + rotate_half(t)[j] sin[j] for j < r, t[j] beyond (megatron's unfused
@@ -95,10 +263,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& x) {
                    [&](int64_t begin, int64_t end) {
                      for (int64_t r = begin; r < end; ++r) {
                        const float* gate = in + r * two_f;
-                       const float* up = gate + f;
-                       for (int64_t j = 0; j < f; ++j) {
-                         out[r * f + j] = (gate[j] / (1.0f + std::exp(-gate[j]))) * up[j];
-                       }
+                       silu_mul_row(gate, gate + f, out + r * f, f);
                      }
                    });
   return y.view(sizes);
@@ -158,28 +323,30 @@ at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, con
                      for (int64_t task = begin; task < end; ++task) {
                        const int64_t i = task / heads, h = task % heads;
                        const int64_t g = h / per_group, p = h % per_group;
-                       const int64_t seen = first + i + 1;
                        rotate(q_in + (i * groups + g) * width + p * d, cs + i * r, ss + i * r, r, d, query.data());
-                       float top = -INFINITY;
-                       for (int64_t t = 0; t < seen; ++t) {
-                         scores[t] = dot(query.data(), key_cache + t * key_stride + g * d, d) * softmax_scale;
-                         top = std::max(top, scores[t]);
-                       }
-                       float total = 0.0f;
-                       for (int64_t t = 0; t < seen; ++t) {
-                         scores[t] = std::exp(scores[t] - top);
-                         total += scores[t];
-                       }
-                       float* o = out + i * heads * d + h * d;
-                       std::fill(o, o + d, 0.0f);
-                       for (int64_t t = 0; t < seen; ++t) {
-                         axpy(scores[t], value_cache + t * value_stride + g * d, o, d);
-                       }
-                       const float inv = 1.0f / total;
-                       for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+                       attend(query.data(), key_cache + g * d, key_stride, value_cache + g * d, value_stride,
+                              first + i + 1, d, softmax_scale, scores.data(),
+                              out + i * heads * d + h * d);
                      }
                    });
   return y;
+}
+
+at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
+                            const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                            const at::Tensor& values, int64_t first, int64_t heads, double scale,
+                            const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
+                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight) {
+  at::Tensor qkv = skinny_linear_cpu(rms_norm_cpu(hidden, input_norm, input_eps), qkv_weight);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  at::Tensor mid = skinny_linear_cpu(chain_attention_cpu(qkv, cos, sin, keys, values, first, heads, scale),
+                                     proj_weight);
+  mid.add_(hidden);
+  at::Tensor out =
+      skinny_linear_cpu(silu_mul_cpu(skinny_linear_cpu(rms_norm_cpu(mid, mlp_norm, mlp_eps), fc1_weight)),
+                        fc2_weight);
+  return out.add_(mid);
 }
 
 }  // namespace specdec

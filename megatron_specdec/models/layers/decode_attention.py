@@ -266,15 +266,20 @@ class DecodeSelfAttention(SelfAttention):
 
     def _chain(self, mixed, cache: DecodeCache, first: int) -> Tensor:
         """Attention output [s, 1, heads * d] of a batch-1 chain from its QKV product."""
-        s = mixed.shape[0]
+        return torch.ops.megatron_specdec.chain_attention(mixed, *self.chain_args(cache, first,
+                                                                                mixed))
+
+    def chain_args(self, cache: DecodeCache, first: int, like: Tensor) -> tuple:
+        """(cos, sin, keys, values, first, heads, scale): chain_attention's arguments after the
+        QKV product, for a chain of like.shape[0] tokens."""
+        s = like.shape[0]
         dim = self.hidden_size_per_attention_head
         keys, values = cache.buffers(
-            self.layer_number, (1, self.num_query_groups_per_partition, dim), mixed)
-        cos, sin = cache.cos_sin(mixed.dtype)
+            self.layer_number, (1, self.num_query_groups_per_partition, dim), like)
+        cos, sin = cache.cos_sin(like.dtype)
         scale = self.core_attention.softmax_scale
-        return torch.ops.megatron_specdec.chain_attention(
-            mixed, cos.reshape(s, -1), sin.reshape(s, -1), keys, values, first,
-            self.num_attention_heads_per_partition, dim ** -0.5 if scale is None else scale)
+        return (cos.reshape(s, -1), sin.reshape(s, -1), keys, values, first,
+                self.num_attention_heads_per_partition, dim ** -0.5 if scale is None else scale)
 
     def _attend(self, query, key, value, attention_mask, cache: DecodeCache) -> Tensor:
         """Rotate the new queries and keys, append keys and values to the cache, attend."""

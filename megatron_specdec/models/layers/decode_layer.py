@@ -13,7 +13,10 @@ Transformer Engine modules, recompute, fused activations) keep forward.
 In float32 with the extension built, the RMSNorms, the gated SiLU and a batch-1 chain's
 RoPE, cache write and attention run as one C++ op each (csrc/decode_ops.cpp): equal to
 PyTorch's ops within float32 rounding, and row-invariant like the small-row products, so a
-verify forward and plain steps still see bitwise the same logits.
+verify forward and plain steps still see bitwise the same logits. Where every part of a layer
+takes those ops and the skinny product, a batch-1 chain runs the whole layer as the one
+decode_layer op: the same kernels in the same order, without a dispatch and a Python call
+between them.
 """
 
 from functools import cached_property
@@ -25,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
+from megatron_specdec.models.layers.linear_kernels import product, skinny
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 
 # The arguments `decode` takes; another one given (not None) keeps forward.
@@ -55,11 +59,15 @@ def fused_norm(norm) -> bool:
             and norm.weight.dtype == torch.float32 and op_available("rms_norm"))
 
 
+def norm_eps(norm, dtype) -> float:
+    """The epsilon torch's RMSNorm `norm` uses for `dtype`."""
+    return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+
+
 def norm_decode(norm, x, fused: bool):
     """The norm's output: the C++ op where `fused` (fused_norm), else the module."""
     if fused and x.dtype == torch.float32:
-        eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
-        return torch.ops.megatron_specdec.rms_norm(x, norm.weight, eps)
+        return torch.ops.megatron_specdec.rms_norm(x, norm.weight, norm_eps(norm, x.dtype))
     return norm(x)
 
 
@@ -118,8 +126,26 @@ class DecodeTransformerLayer(TransformerLayer):
         return (fused_norm(self.input_layernorm), fused_norm(self.pre_mlp_layernorm),
                 fused_silu(self.mlp))
 
+    @cached_property
+    def layer_op(self) -> bool:
+        """Whether a batch-1 chain can run the whole layer as the C++ decode_layer op: every
+        part one of the ops above, every weight product the skinny op on this machine, one TP
+        rank, and no bias but the QKV product's own."""
+        attention, mlp = self.self_attention, self.mlp
+        linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+        return (all(self.fused) and attention.chain_op and op_available("decode_layer")
+                and all(linear.tp_group.size() == 1 for linear in linears)
+                and all(linear.bias is None for linear in linears[1:])
+                and (linears[0].bias is None or not linears[0].skip_bias_add)
+                and not self.config.fp32_residual_connection
+                and all(product(linear.weight, 1) is skinny for linear in linears))
+
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
+        first = cache.chain_start()
+        if (first is not None and cache.rotary is not None and self.layer_op
+                and hidden_states.dtype == torch.float32):
+            return self._whole(hidden_states, cache, first)
         input_norm, mlp_norm, silu = self.fused
         out, bias = self.self_attention.decode(
             norm_decode(self.input_layernorm, hidden_states, input_norm), attention_mask, cache)
@@ -127,3 +153,14 @@ class DecodeTransformerLayer(TransformerLayer):
         out, bias = mlp_decode(self.mlp, norm_decode(self.pre_mlp_layernorm, hidden_states,
                                                      mlp_norm), silu)
         return residual_add(out, bias, hidden_states)
+
+    def _whole(self, hidden_states, cache: DecodeCache, first: int):
+        """`decode` of a batch-1 chain as one C++ op: the same kernels in the same order."""
+        attention, mlp = self.self_attention, self.mlp
+        dtype = hidden_states.dtype
+        return torch.ops.megatron_specdec.decode_layer(
+            hidden_states, self.input_layernorm.weight, norm_eps(self.input_layernorm, dtype),
+            attention.linear_qkv.weight, attention.linear_qkv.bias,
+            *attention.chain_args(cache, first, hidden_states), attention.linear_proj.weight,
+            self.pre_mlp_layernorm.weight, norm_eps(self.pre_mlp_layernorm, dtype),
+            mlp.linear_fc1.weight, mlp.linear_fc2.weight)
