@@ -1,12 +1,12 @@
 // Skinny GEMM of decoding (see skinny_gemm.h).
 //
-// Output features are split into blocks of kOut weight rows, spread over torch's intra-op
-// (OpenMP) threads. A block's weight rows are streamed from memory once and, while they sit in
-// L1, multiplied by every row of x, a few rows per pass (an ISA's kRows: the accumulators fill
-// its vector registers); the first pass prefetches the next block's rows. Each output element
-// keeps one vector accumulator over K (lane i holds k = i mod lanes), a masked tail, then a
-// fixed horizontal sum: the same order whatever M, the pass a row falls in, or the thread,
-// which is what makes the op row-invariant. The ISA path is picked once per process from the
+// Output features are split into blocks of an ISA's kOut weight rows, spread over torch's
+// intra-op (OpenMP) threads. A block's weight rows are streamed from memory once and, while they
+// sit in L1, multiplied by every row of x, a few rows per pass (the ISA's kRows: kOut x kRows
+// accumulators fill its vector registers); each pass prefetches its share of the next block's
+// rows. Each output element keeps one vector accumulator over K (lane i holds k = i mod lanes),
+// a masked tail, then a fixed horizontal sum: the same order whatever M, the pass a row falls
+// in, or the thread, which is what makes the op row-invariant. The ISA path is picked once per process from the
 // CPU (GCC target attributes, no -march in the build).
 #include "skinny_gemm.h"
 
@@ -26,7 +26,6 @@
 namespace specdec {
 namespace {
 
-constexpr int kOut = 4;  // weight rows per block (streams from memory at once)
 
 struct Operands {
   const float* x;
@@ -36,10 +35,13 @@ struct Operands {
   int64_t k;
   float* y;
   int64_t ldy;
-  // The next block's kOut weight rows, prefetched while this one computes (the first pass
-  // over x only), so that the memory stream keeps going while the block's rows of x are
-  // multiplied; nullptr: none.
+  // The next block's kOut weight rows, prefetched while this one computes so that the memory
+  // stream keeps going while the block's rows of x are multiplied; nullptr: none. Each pass
+  // over x prefetches its share, columns [prefetch_begin, prefetch_end), so that a call of many
+  // rows keeps the stream busy through all its passes, not the first only.
   const float* next = nullptr;
+  int64_t prefetch_begin = 0;
+  int64_t prefetch_end = 0;
 };
 
 inline void prefetch_line(const float* p) {
@@ -52,7 +54,8 @@ inline void prefetch_line(const float* p) {
 
 // Reference path (no vector ISA): one sequential sum per output element.
 struct Scalar {
-  static constexpr int kRows = 4;
+  static constexpr int kOut = 4;  // weight rows per block (streamed from memory at once)
+  static constexpr int kRows = 4;  // rows of x per pass
   template <int NB, int MB>
   static void block(const Operands& o) {
     float acc[MB][NB] = {};
@@ -70,6 +73,7 @@ struct Scalar {
 #ifdef SPECDEC_X86
 // 32 zmm registers: 4x4 accumulators, 4 weight vectors and one x vector.
 struct Avx512 {
+  static constexpr int kOut = 4;
   static constexpr int kRows = 4;
 
   __attribute__((target("avx512f"))) static inline float sum(__m512 v) {
@@ -91,9 +95,9 @@ struct Avx512 {
     }
     int64_t k = 0;
     for (; k + 16 <= o.k; k += 16) {
-      if (o.next != nullptr) {
+      if (o.next != nullptr && k >= o.prefetch_begin && k < o.prefetch_end) {
 #pragma GCC unroll 4
-        for (int n = 0; n < kOut; ++n) prefetch_line(o.next + n * o.ldw + k);
+        for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
       }
       __m512 wv[NB];
 #pragma GCC unroll 4
@@ -123,9 +127,11 @@ struct Avx512 {
   }
 };
 
-// 16 ymm registers: 4x2 accumulators, 4 weight vectors and one x vector.
+// 16 ymm registers: 3x4 accumulators, 3 weight vectors and one x vector (seven loads for
+// twelve multiply-adds: a verify's 8-16 rows stay near the FMA units' rate).
 struct Avx2 {
-  static constexpr int kRows = 2;
+  static constexpr int kOut = 3;
+  static constexpr int kRows = 4;
 
   __attribute__((target("avx2,fma"))) static inline float sum(__m256 v) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -143,9 +149,9 @@ struct Avx2 {
     }
     int64_t k = 0;
     for (; k + 8 <= o.k; k += 8) {
-      if (o.next != nullptr && (k & 15) == 0) {
+      if (o.next != nullptr && (k & 15) == 0 && k >= o.prefetch_begin && k < o.prefetch_end) {
 #pragma GCC unroll 4
-        for (int n = 0; n < kOut; ++n) prefetch_line(o.next + n * o.ldw + k);
+        for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
       }
       __m256 wv[NB];
 #pragma GCC unroll 4
@@ -193,18 +199,25 @@ void tail_rows(int64_t r, const Operands& o) {
 // Every row of x (rows) against NB weight rows starting at o.w, writing o.y[:, 0:NB].
 template <typename Isa, int NB>
 void all_rows(int64_t rows, Operands o) {
+  const int64_t passes = (rows + Isa::kRows - 1) / Isa::kRows;
+  // Each pass's share of the next block's columns, in whole 16-float cache lines.
+  const int64_t share = (o.k + 16 * passes - 1) / (16 * passes) * 16;
+  o.prefetch_begin = 0;
+  o.prefetch_end = share;
   int64_t m = 0;
   for (; m + Isa::kRows <= rows; m += Isa::kRows) {
     Isa::template block<NB, Isa::kRows>(o);
     o.x += Isa::kRows * o.ldx;
     o.y += Isa::kRows * o.ldy;
-    o.next = nullptr;
+    o.prefetch_begin = o.prefetch_end;
+    o.prefetch_end += share;
   }
   tail_rows<Isa, NB, Isa::kRows - 1>(rows - m, o);
 }
 
 template <typename Isa>
 void run(const Operands& all, int64_t rows, int64_t out_features) {
+  constexpr int kOut = Isa::kOut;
   const int64_t blocks = (out_features + kOut - 1) / kOut;
   // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kOut * all.k * 4));
