@@ -319,11 +319,12 @@ def main(argv=None):
     import torch
 
     from megatron_specdec import distributed
-    from megatron_specdec.training import load_recipe, train
+    from megatron_specdec.training import dtype_choice, load_recipe, train
 
     workdir = args.output_dir or tempfile.mkdtemp(prefix="soak_")
     overrides = SOAK_DEFAULTS + [f"output_dir={workdir}"] + list(args.overrides)
     recipe = load_recipe(args.config, overrides)
+    dtype_choice.resolve(recipe)  # the dtype the soak records is the one it ran
     meta = {"name": args.name, "config": os.path.relpath(args.config, ROOT),
             "overrides": list(args.overrides), "cpu": _cpu_model(), "commit": _commit(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

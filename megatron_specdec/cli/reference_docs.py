@@ -62,7 +62,9 @@ TOOLS = (
 MEANINGS = {
     "output_dir": "where checkpoints/, final/, train_log.jsonl, tensorboard/, summary.json and "
                   "recipe.yaml are written",
-    "model.dtype": "parameter dtype: float32, bfloat16 or float16",
+    "model.dtype": "parameter dtype: float32, bfloat16, float16, or auto (bfloat16 on a GPU; on "
+                   "a CPU the faster of bfloat16 and float32 for a training-sized linear, "
+                   "measured at start: training/dtype_choice.py)",
     "model.transformer_impl": "layer implementation: auto (Transformer Engine when it imports "
                               "on a GPU, else local), local or transformer_engine",
     "parallelism.tp": "tensor parallel size",

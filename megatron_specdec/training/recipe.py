@@ -172,8 +172,8 @@ def _check(ok: bool, key: str, message: str):
 
 def validate(r: Recipe):
     """Ranges and choices, each error naming its key."""
-    _check(r.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype",
-           f"{r.model.dtype!r}; expected float32, bfloat16 or float16")
+    _check(r.model.dtype in ("float32", "bfloat16", "float16", "auto"), "model.dtype",
+           f"{r.model.dtype!r}; expected float32, bfloat16, float16 or auto")
     _check(r.parallelism.tp >= 1, "parallelism.tp", "must be >= 1")
     _check(r.parallelism.pp >= 1, "parallelism.pp", "must be >= 1")
     _check(r.parallelism.ep >= 1, "parallelism.ep", "must be >= 1")

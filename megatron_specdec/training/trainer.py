@@ -24,8 +24,8 @@ from megatron_specdec.checkpointing import checkpoint
 from megatron_specdec import distributed
 from megatron_specdec.loading.speculative import save_trained, speculative_meta
 from megatron_specdec.training import (base_fingerprint, checkpoints, data_fingerprint,
-                                       evaluation, metrics, offline, optimizer, profiling,
-                                       schedule)
+                                       dtype_choice, evaluation, metrics, offline, optimizer,
+                                       profiling, schedule)
 from megatron_specdec.training.batches import step_batches
 from megatron_specdec.training.build import build_speculative
 from megatron_specdec.training.recipe import (RecipeError, checkpoint_dir, data_parallel_size,
@@ -145,6 +145,7 @@ def _setup(recipe) -> _Run:
     """Process groups, the model (resumed, or built and calibrated), data, optimizer."""
     tp, pp = recipe.parallelism.tp, recipe.parallelism.pp
     distributed.initialize(tp, pp, seed=recipe.training.seed, ep=recipe.parallelism.ep)
+    dtype_choice.resolve(recipe)
     dp = data_parallel_size(recipe, dist.get_world_size())
     resume_from = _resume_point(recipe)
     Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
