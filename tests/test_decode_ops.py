@@ -3,6 +3,11 @@ equal PyTorch's ops within float32 rounding, are bitwise row-invariant (a row or
 equals the same one inside a longer call), write the cache where the reference does, and name
 bad input in one line."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +103,23 @@ def test_chain_attention_is_row_invariant_bitwise():
                                   30 + i, 9, 0.125)
         assert torch.equal(one[0], chain[i]), i
     assert torch.equal(keys, chain_keys) and torch.equal(values, chain_values)
+
+
+def test_the_portable_paths_equal_torch_and_are_row_invariant():
+    """Forced by SPECDEC_SKINNY_ISA=scalar in a fresh process (a CPU without AVX2 and FMA), the
+    SiLU and the attention take their portable code, which must pass the same checks."""
+    code = ("import torch, megatron_specdec._C, test_decode_ops as t\n"
+            "assert torch.ops.megatron_specdec.skinny_linear_isa() == 'scalar'\n"
+            "for f in (1, 13, 1536): t.test_silu_mul_equals_torch_and_is_row_invariant(f)\n"
+            "t.test_chain_attention_equals_sdpa_and_writes_the_cache(5, 3, 3, 64, 64, 20)\n"
+            "t.test_chain_attention_equals_sdpa_and_writes_the_cache(3, 1, 4, 12, 12, 90)\n"
+            "t.test_chain_attention_is_row_invariant_bitwise()\n")
+    env = {**os.environ, "SPECDEC_SKINNY_ISA": "scalar",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_chain_attention_bad_input_named_in_one_line():

@@ -182,17 +182,12 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* query, const f
 }
 #endif
 
-// AVX2 + FMA where the CPU has them (decided once), else the portable paths.
+// AVX2 + FMA where the skinny GEMM takes a vector path (skinny_gemm.cpp decides once from the
+// CPU, and SPECDEC_SKINNY_ISA=scalar sends these ops down the portable paths too), else the
+// portable paths.
 bool avx2() {
-#ifdef SPECDEC_X86
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
+  static const bool yes = skinny_linear_isa() != "scalar";
   return yes;
-#else
-  return false;
-#endif
 }
 
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t f) {

@@ -6,8 +6,8 @@
 // accumulators fill its vector registers); each pass prefetches its share of the next block's
 // rows. Each output element keeps one vector accumulator over K (lane i holds k = i mod lanes),
 // a masked tail, then a fixed horizontal sum: the same order whatever M, the pass a row falls
-// in, or the thread, which is what makes the op row-invariant. The ISA path is picked once per process from the
-// CPU (GCC target attributes, no -march in the build).
+// in, or the thread, which is what makes the op row-invariant. The ISA path is picked once per
+// process from the CPU (GCC target attributes, no -march in the build).
 #include "skinny_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -250,7 +250,8 @@ const char* name(Path p) {
   }
 }
 
-// The best path this CPU runs; SPECDEC_SKINNY_ISA=avx2|scalar asks for a lower one (tests).
+// The best path this CPU runs; SPECDEC_SKINNY_ISA=avx2|scalar asks for a lower one (tests; the
+// decoding ops of decode_ops.cpp follow it).
 Path detect() {
   Path best = Path::kScalar;
 #ifdef SPECDEC_X86
