@@ -37,6 +37,7 @@ bench/results/generation.json (plot beside it).
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
         [--temperature 0.7] [--drafter draft_model --draft-model DRAFT_CKPT]
         [--also-model CKPT] [--vllm-eagle3 models/eagle3_smollm2] [--vllm-dflash DIR]
+        [--methods 'eagle3 adaptive' 'vllm greedy' ...]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
 `convert` gives before training): it accepts almost nothing, so the fixed-k run measures the
@@ -276,6 +277,10 @@ def main():
     p.add_argument("--sampling-every", type=int, default=1,
                    help="the sampling comparison takes every N-th of the prompts (it runs "
                         "four generators a prompt; 5 over all 80: 2 per category)")
+    p.add_argument("--methods", nargs="*", default=None, metavar="NAME",
+                   help="run only these rows (names as the table prints them, e.g. "
+                        "'eagle3 adaptive' 'vllm greedy'); transformers greedy and project "
+                        "greedy always run, as the anchors")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.sampling_every < 1:
@@ -301,6 +306,8 @@ def main():
     eos = set(end_of_turn_ids(tokenizer))
     prompts = read_prompts(args.data, tokenizer)[:: args.every][: args.num_prompts]
     runs, hf_model = methods(args, model, hf_dir, eos, tree, others)
+    check_methods(args.methods, set(runs) | set(vllm_configs(args)))
+    runs = pick(runs, args.methods)
     about = describe_machine()
     bound = about["read_bandwidth_gb_s"] * 1e9 / read_bytes_per_token(model)
     for run in runs.values():  # first use: the kernel choice measures each new weight shape
@@ -444,17 +451,11 @@ def vllm_base(args, model_dir):
 def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
     """vLLM greedy, n-gram and (--vllm-eagle3, --vllm-dflash) draft rows, or none (with the
     reason printed) without its env."""
-    from megatron_specdec import registry
     from megatron_specdec.engines import vllm_client
 
-    if args.no_vllm:
+    runs = pick(vllm_configs(args), args.methods)
+    if not runs:
         return {}
-    runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
-    k = args.num_draft_tokens or 3
-    for algo, path in vllm_drafts(args).items():
-        runs[f"vllm {algo} k={k}"] = registry.get(algo).engine_config(path, k).vllm
-    if args.draft_model_hf:
-        runs[f"vllm draft model k={k}"] = vllm_client.draft_model_config(args.draft_model_hf, k)
     try:
         results = vllm_client.generate(model_dir, [ids for _, ids in prompts],
                                        args.max_new_tokens, runs, stop_token_ids=eos)
@@ -472,6 +473,39 @@ def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):
                       "identical_to_project_greedy": same,
                       "acceptance_length": r.acceptance_length}
     return rows
+
+
+def vllm_configs(args) -> dict:
+    """{row name: vLLM speculative config (None: plain greedy)} for the flags given, {} with
+    --no-vllm."""
+    from megatron_specdec import registry
+    from megatron_specdec.engines import vllm_client
+
+    if args.no_vllm:
+        return {}
+    runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
+    k = args.num_draft_tokens or 3
+    for algo, path in vllm_drafts(args).items():
+        runs[f"vllm {algo} k={k}"] = registry.get(algo).engine_config(path, k).vllm
+    if args.draft_model_hf:
+        runs[f"vllm draft model k={k}"] = vllm_client.draft_model_config(args.draft_model_hf, k)
+    return runs
+
+
+def check_methods(names, known):
+    """Refuse a --methods name that is no row of this run, naming the rows there are."""
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(map(repr, unknown))}: no such row; expected "
+                         f"some of {', '.join(map(repr, sorted(known)))}")
+
+
+def pick(runs: dict, names) -> dict:
+    """`runs` cut to the --methods `names` and the two anchors (all of them without)."""
+    if names is None:
+        return runs
+    keep = set(names) | {"transformers greedy", "project greedy"}
+    return {name: run for name, run in runs.items() if name in keep}
 
 
 def vllm_drafts(args) -> dict:
