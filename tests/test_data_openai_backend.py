@@ -220,3 +220,23 @@ def test_cli_regenerate_through_the_server_then_calibrate(stub, tmp_path):
         == 0
     )
     assert (tmp_path / "d2t.safetensors").is_file()
+
+
+def test_cli_regenerate_exclude_takes_the_prompts_not_yet_answered(stub, tmp_path, caplog):
+    server = stub()
+
+    def regenerate(out, *extra):
+        return main(["regenerate", "--data-dir", str(DATA_DIR), "--out", str(out), "--backend",
+                     "openai", "--url", server.url, "--model", "smol", "--batch-size", "4",
+                     "--no-progress", *extra])
+
+    first, second, both = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ab.jsonl"
+    assert regenerate(first, "--limit", "3") == 0
+    assert regenerate(second, "--limit", "3", "--exclude", str(first)) == 0
+    assert regenerate(both, "--limit", "6") == 0
+    ids = [[r["id"] for r in read_conversations(p, on_error="fail")] for p in (first, second, both)]
+    # The next three in shard order, not the same three again.
+    assert ids[0] + ids[1] == ids[2] and not set(ids[0]) & set(ids[1])
+    with caplog.at_level(logging.ERROR):
+        assert regenerate(tmp_path / "c.jsonl", "--exclude", str(tmp_path / "missing.jsonl")) == 1
+    assert f"data file {tmp_path / 'missing.jsonl'} does not exist" in caplog.text

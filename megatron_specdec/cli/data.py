@@ -117,10 +117,14 @@ def _backend(args):
 
 
 def _regenerate(args):
+    from megatron_specdec.data.conversations import read_conversations
     from megatron_specdec.data.regenerate import regenerate, select_shard, shard_output_path
     from megatron_specdec.data.sources import read_sources
 
     rows = read_sources(_specs(args), args.data_dir, args.on_error)
+    if args.exclude:
+        answered = {row["id"] for row in read_conversations(args.exclude, args.on_error)}
+        rows = [r for r in rows if r.id not in answered]
     rows = select_shard(rows, args.shard_index, args.num_shards, args.limit)
     out = shard_output_path(args.out, args.shard_index, args.num_shards)
     backend, tokenizer = _backend(args)
@@ -259,6 +263,13 @@ def build_parser():
     )
     p.add_argument(
         "--limit", type=int, help="only the first N prompts of this shard (a mix of all sources)"
+    )
+    p.add_argument(
+        "--exclude",
+        nargs="+",
+        metavar="FILE",
+        help="skip the prompts these conversation files already answer (e.g. "
+        "data/smollm2_regen.jsonl.gz), so --limit takes the next ones: a dataset grown, not redone",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_regenerate)

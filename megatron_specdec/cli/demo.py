@@ -119,7 +119,9 @@ def demo(args):
     _run(2, "regenerate a slice of training data with it",
          ["-m", "megatron_specdec.cli.data", "regenerate", "--data-dir", data_dir, "--backend",
           "megatron", "--model", base, "--limit", args.regen_prompts, "--batch-size",
-          args.regen_prompts, "--max-new-tokens", 96, "--out", regen], timings)
+          args.regen_prompts, "--max-new-tokens", 96, "--out", regen]
+         # New prompts beside the committed data, not those it already answers.
+         + (["--exclude", COMMITTED_DATA] if COMMITTED_DATA.is_file() else []), timings)
     train_data = [regen, COMMITTED_DATA] if COMMITTED_DATA.is_file() else [regen]
     _run(3, "add an EAGLE3 draft (draft vocabulary calibrated on the data)",
          ["checkpoint_tools/convert_speculative.py", "--model", base, "--algo", "eagle3",
