@@ -1,5 +1,5 @@
 """Where a decoding forward's time goes on this machine: the embedded SmolLM2 (fp32, batch 1)
-over a 128-token context, forwards of q = 1, 2, 4, 8 tokens (a plain step, verify forwards)
+over a 128-token context, forwards of q = 1, 2, 4, 8, 16 tokens (a plain step, verify forwards)
 through the decoding layer (models/layers/decode_layer.py) and through megatron's
 TransformerLayer forward, beside the weight products alone and the read-bandwidth bound.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_linear import commit, read_bandwidth_gbs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_step.json"
-QUERIES = (1, 2, 4, 8)
+QUERIES = (1, 2, 4, 8, 16)
 CONTEXT = 128
 
 
