@@ -1,6 +1,7 @@
 """The repository stands alone: a copy of the tree with no ../shared beside it runs the demo's
 data steps (list the prompt sources, regenerate answers, read MT-bench) from data/sources."""
 
+import gzip
 import json
 import os
 import shutil
@@ -44,13 +45,16 @@ def test_data_steps_run_in_a_bare_copy(tmp_path):
                  "self_instruct_user\ttrain\t252 rows", "mt_bench\teval\t80 rows"):
         assert line in listing, listing
 
-    # the demo's step 2, on the embedded model, with a tiny budget
-    out = clone / "runs" / "regen.jsonl"
+    # the demo's step 2, on the embedded model, with a tiny budget: new prompts beside the
+    # committed data
+    out, committed = clone / "runs" / "regen.jsonl", "data/smollm2_regen.jsonl.gz"
     _python(clone, "-m", "megatron_specdec.cli.data", "regenerate", "--data-dir", "data/sources",
             "--backend", "megatron", "--checkpoint", "default", "--limit", "2", "--batch-size", "2",
-            "--max-new-tokens", "4", "--no-progress", "--out", str(out))
+            "--max-new-tokens", "4", "--no-progress", "--out", str(out), "--exclude", committed)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and all(r["conversations"][-1]["role"] == "assistant" for r in rows)
+    with gzip.open(clone / committed, "rt") as f:
+        assert not {r["id"] for r in rows} & {json.loads(line)["id"] for line in f}
 
     # step 5's evaluation prompts and the shipped recipe's evaluation.prompts resolve in the copy
     questions = (clone / "data" / "sources" / "mt_bench.jsonl").read_text().splitlines()
