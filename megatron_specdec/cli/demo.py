@@ -116,13 +116,14 @@ def demo(args):
 
     _run(1, "import SmolLM2-135M-Instruct into a Megatron checkpoint (TP=1)",
          ["checkpoint_tools/hf_to_megatron.py", "--model", "default", "--out", base], timings)
+    committed = [COMMITTED_DATA] if COMMITTED_DATA.is_file() else []
+    # New prompts beside the committed data, not those it already answers.
     _run(2, "regenerate a slice of training data with it",
          ["-m", "megatron_specdec.cli.data", "regenerate", "--data-dir", data_dir, "--backend",
           "megatron", "--model", base, "--limit", args.regen_prompts, "--batch-size",
           args.regen_prompts, "--max-new-tokens", 96, "--out", regen]
-         # New prompts beside the committed data, not those it already answers.
-         + (["--exclude", COMMITTED_DATA] if COMMITTED_DATA.is_file() else []), timings)
-    train_data = [regen, COMMITTED_DATA] if COMMITTED_DATA.is_file() else [regen]
+         + (["--exclude", *committed] if committed else []), timings)
+    train_data = [regen, *committed]
     _run(3, "add an EAGLE3 draft (draft vocabulary calibrated on the data)",
          ["checkpoint_tools/convert_speculative.py", "--model", base, "--algo", "eagle3",
           "--out", draft, "--draft-vocab-size", DRAFT_VOCAB, "--calibration-data", *train_data],

@@ -123,16 +123,14 @@ def generate(model_dir, prompts: List[List[int]], max_new_tokens: int,
         limit = time_limit(len(prompts), max_new_tokens, len(runs)) if timeout is None else timeout
         try:
             with open(log, "w") as log_file:
-                proc = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=env,
+                code = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=env,
                                       stdout=log_file, stderr=subprocess.STDOUT, timeout=limit,
-                                      cwd=tmp)
+                                      cwd=tmp).returncode
+            failure = None if code == 0 and out.is_file() else f"exited with {code}"
         except subprocess.TimeoutExpired:
+            failure = f"did not finish in {limit:.0f} s and was killed"
+        if failure is not None:
             tail = log.read_text(errors="replace")[-LOG_TAIL:]
-            raise EngineRunError(f"{python} {RUNNER.name} did not finish in {limit:.0f} s and was "
-                                 f"killed; the end of its log:\n{tail}") from None
-        if proc.returncode != 0 or not out.is_file():
-            tail = log.read_text(errors="replace")[-LOG_TAIL:]
-            raise EngineRunError(f"{python} {RUNNER.name} exited with {proc.returncode}; "
-                                 f"the end of its log:\n{tail}")
+            raise EngineRunError(f"{python} {RUNNER.name} {failure}; the end of its log:\n{tail}")
         result = json.loads(out.read_text())
     return {name: RunResult(**r) for name, r in result["runs"].items()}
