@@ -2,8 +2,12 @@
 over a 128-token context, forwards of q = 1, 2, 4, 8, 16 tokens (a plain step, verify forwards)
 through the decoding layer (models/layers/decode_layer.py) and through megatron's
 TransformerLayer forward, beside the weight products alone and the read-bandwidth bound.
+With `--draft SPEC_CKPT` (an EAGLE3 checkpoint) the base is that checkpoint's, and a draft
+step (one chained token: the draft layers and its lm_head) is timed too, through the draft's
+decoding path (Eagle3Layer.decode) and through its layers' forward.
 
-    python bench/bench_decode_step.py [--repeats 30] [--out bench/results/decode_step.json]
+    python bench/bench_decode_step.py [--repeats 30] [--draft runs/base_shipped_eagle3] \
+        [--out bench/results/decode_step.json]
 
 Each figure is the median of `repeats` forwards, the two paths interleaved. Writes the CPU
 model, threads, the measured read bandwidth, the commit and the load average with them.
@@ -42,9 +46,52 @@ def set_lean(base, lean: bool):
         layer.__dict__["lean"] = lean and type(layer).lean.func(layer)
 
 
+def load_eagle3(path: str):
+    from megatron_specdec.loading.speculative import load_speculative
+
+    model, _, _ = load_speculative(path)
+    if model.algo != "eagle3":
+        raise SystemExit(f"--draft {path}: an EAGLE3 checkpoint is needed, this one's draft is "
+                         f"{model.algo}")
+    return model.eval()
+
+
+def time_draft_step(model, repeats: int) -> dict:
+    """Median ms of one chained draft step (a fixed chain of STEPS after a CONTEXT-token
+    prefill, per step), by the draft's decoding path and by its layers' forward,
+    interleaved; the draft's weight bytes."""
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.inference.generator import build_drafter
+    from megatron_specdec.inference.base_runner import BaseRunner
+
+    steps = 8
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.vocab_size, (1, CONTEXT), generator=g)
+    drafter = build_drafter(model)
+    fixed = DraftPolicy.named("fixed", steps)
+    runner = BaseRunner(model, 1, CONTEXT + 1)
+    times = {"decode": [], "forward": []}
+    with torch.no_grad():
+        out = runner.step(prompt, last_only=True)
+        drafter.start(prompt, torch.tensor([CONTEXT]), out.logits[:, -1:].argmax(-1), out,
+                      CONTEXT + steps + 1)
+        for _ in range(repeats + 2):
+            for path in times:
+                model.draft.__dict__["lean"] = path == "decode" and type(model.draft).lean.func(
+                    model.draft)
+                start = time.perf_counter()
+                drafter.propose(steps, fixed)  # steps - 1 draft forwards after the first token
+                times[path].append((time.perf_counter() - start) * 1e3 / (steps - 1))
+    model.draft.__dict__.pop("lean")
+    weights = [p for p in model.draft.parameters()]
+    return {"step_ms": {path: round(statistics.median(t[2:]), 3) for path, t in times.items()},
+            "weight_mb": round(sum(w.numel() * w.element_size() for w in weights) / 1e6, 1)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--draft", help="an EAGLE3 speculative checkpoint: time its draft step too")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.repeats < 1:
@@ -60,7 +107,11 @@ def main():
 
     setup_logging()
     distributed.initialize(1, 1)
-    base, _ = model_from_hf(default_model_dir())
+    if args.draft:
+        model = load_eagle3(args.draft)
+        base = model.base
+    else:
+        model, (base, _) = None, model_from_hf(default_model_dir())
     base.eval()
     load_before = os.getloadavg()[0]
     bandwidth = read_bandwidth_gbs()
@@ -91,6 +142,7 @@ def main():
                 fn(inputs[w.shape[1]], w)
             gemm.append((time.perf_counter() - start) * 1e3)
     set_lean(base, True)
+    draft = None if model is None else time_draft_step(model, args.repeats)
     median = {path: {q: statistics.median(t[2:]) for q, t in by_q.items()}
               for path, by_q in times.items()}
     report = {
@@ -101,6 +153,7 @@ def main():
         "weight_products_ms": round(statistics.median(gemm), 2),
         "forward_ms": {path: {str(q): round(ms, 2) for q, ms in by_q.items()}
                        for path, by_q in median.items()},
+        **({} if draft is None else {"draft": {"checkpoint": args.draft, **draft}}),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +167,10 @@ def main():
     for q in QUERIES:
         print(f"| {q} | {median['decode'][q]:.1f} | {median['forward'][q]:.1f} | "
               f"{median['decode'][q] / median['decode'][1]:.2f} |")
+    if draft is not None:
+        print(f"draft step ({draft['weight_mb']} MB of weights): decoding path "
+              f"{draft['step_ms']['decode']:.2f} ms, layers' forward "
+              f"{draft['step_ms']['forward']:.2f} ms")
     print(f"wrote {out}")
 
 

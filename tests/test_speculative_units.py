@@ -59,9 +59,20 @@ def test_draft_cache_after_rollbacks_equals_fresh_prefill(eagle3):
         assert torch.equal(used.propose(K)[0], fresh.propose(K)[0])
 
 
-def test_cached_chain_equals_training_time_test(eagle3):
+@pytest.fixture(params=["decode", "forward"])
+def draft_path(request, eagle3):
+    """The draft's decoding path (Eagle3Layer.decode, what this model takes), or its layers'
+    forward over the cache's blocks (what a layer decode cannot reproduce takes)."""
+    assert eagle3.draft.lean, "the test draft should take the decoding path"
+    if request.param == "forward":
+        eagle3.draft.__dict__["lean"] = False
+    yield request.param
+    eagle3.draft.__dict__.pop("lean", None)
+
+
+def test_cached_chain_equals_training_time_test(eagle3, draft_path):
     """Chain step j from the real prefix ending at t, fed the real tokens, gives the logits
-    of training-time-test step j at position t + j."""
+    of training-time-test step j at position t + j, by either drafting path."""
     from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
     from megatron_specdec.inference.embedding import last_stage_embedding
 

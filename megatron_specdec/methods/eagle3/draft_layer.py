@@ -5,22 +5,34 @@ hidden state. Its q/k/v projections take their normalised concatenation
 `cat([input_layernorm(embed), hidden_norm(hidden)])` (embedding first, 2h wide), while the
 residual is the un-normalised hidden state. Later layers are ordinary pre-norm layers over
 h. Attention runs over an explicit list of key/value blocks so the same code serves
-training-time test (one block per unrolled step) and step-by-step drafting at inference.
+training-time test (one block per unrolled step). Drafting at inference (no grad, the
+drafter's DecodeCache) takes `Eagle3Layer.decode` where the layer allows it: the base's decoding
+path (models/layers/decode_layer.py) without megatron's per-call machinery, which on a CPU costs
+a one-layer draft step more than its weight products.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
+from megatron_specdec.models.layers.decode_layer import (
+    fused_norm,
+    fused_silu,
+    lean_mlp,
+    mlp_decode,
+    norm_decode,
+    residual_add,
+)
 from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
 
@@ -35,12 +47,13 @@ class Eagle3QKVLinear(SmallRowsColumnParallelLinear):
         super().__init__(2 * input_size, output_size, **kwargs)
 
 
-class Eagle3Attention(SelfAttention):
+class Eagle3Attention(DecodeSelfAttention):
     """Self-attention whose keys/values accumulate in a caller-owned block list.
 
     Each call appends this call's (rotated) keys and values to `kv_blocks` and attends over
     all blocks with an explicit boolean mask [b|1, 1, s_q, s_kv] (True = may not attend), or,
-    in training-time test, a `TTTMask` (the same attention in memory linear in s).
+    in training-time test, a `TTTMask` (the same attention in memory linear in s). Drafting
+    takes DecodeSelfAttention.decode instead (Eagle3Layer.decode).
     """
 
     def forward(self, hidden_states: Tensor, rotary_pos_emb: Optional[Tensor],
@@ -90,6 +103,38 @@ class Eagle3Layer(MegatronModule):
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_args)
         self.mlp = build_module(submodules.mlp, config=config)
+
+    @cached_property
+    def lean(self) -> bool:
+        """Whether `decode` computes what forward does for this layer."""
+        attention = self.self_attention
+        return (isinstance(attention, DecodeSelfAttention) and attention.lean
+                and lean_mlp(self.mlp))
+
+    @cached_property
+    def fused(self) -> tuple:
+        """Which of (input norm, hidden norm, pre-MLP norm, activation) run as C++ ops."""
+        return (fused_norm(self.input_layernorm),
+                self.first and fused_norm(self.hidden_norm),
+                fused_norm(self.pre_mlp_layernorm), fused_silu(self.mlp))
+
+    def decode(self, hidden_states: Tensor, embeds: Optional[Tensor],
+               attention_mask: Optional[Tensor], cache: DecodeCache) -> Tensor:
+        """forward's output without grad for new positions over the drafter's `cache` (RoPE
+        angles set on it), by the base's decoding ops in forward's order."""
+        input_norm, hidden_norm, mlp_norm, silu = self.fused
+        if self.first:
+            attn_input = torch.cat(
+                [norm_decode(self.input_layernorm, embeds, input_norm),
+                 norm_decode(self.hidden_norm, hidden_states, hidden_norm)], dim=-1
+            )
+        else:
+            attn_input = norm_decode(self.input_layernorm, hidden_states, input_norm)
+        out, bias = self.self_attention.decode(attn_input, attention_mask, cache)
+        hidden_states = residual_add(out, bias, hidden_states)
+        out, bias = mlp_decode(self.mlp, norm_decode(self.pre_mlp_layernorm, hidden_states,
+                                                     mlp_norm), silu)
+        return residual_add(out, bias, hidden_states)
 
     def forward(self, hidden_states: Tensor, embeds: Optional[Tensor],
                 rotary_pos_emb: Optional[Tensor], attention_mask: Tensor,

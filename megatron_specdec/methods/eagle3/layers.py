@@ -8,6 +8,7 @@ travel in `sharded_state_dict` (replicated).
 """
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import List, Optional
 
 import torch
@@ -19,8 +20,15 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_specdec.models.layers.decode_attention import DecodeCache
+from megatron_specdec.models.layers.decode_layer import fused_norm, norm_decode
 from megatron_specdec.models.layers.sharded import ShardedModuleList
-from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.models.layers.small_rows_linear import (
+    SmallRowsColumnParallelLinear,
+    decode_linear,
+    plain_decoding_linear,
+    rows_linear,
+)
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask
 
 
@@ -108,8 +116,9 @@ class Eagle3Module(MegatronModule):
             self.final_layernorm.weight.copy_(base_final_norm)
 
     def project(self, aux: Tensor) -> Tensor:
-        """Captured base states [s, b, n_aux*h] -> the draft's hidden input [s, b, h]."""
-        return self.fc(aux)
+        """Captured base states [s, b, n_aux*h] -> the draft's hidden input [s, b, h] (a few
+        rows by the product this machine runs fastest)."""
+        return rows_linear(aux, self.fc.weight)
 
     def step(self, embeds: Tensor, hidden: Tensor, rotary_pos_emb: Optional[Tensor],
              attention_mask: Tensor, kv_blocks: List[list], last_only: bool = False):
@@ -120,6 +129,24 @@ class Eagle3Module(MegatronModule):
         with `last_only` the logits of the last position only (drafting reads no others)."""
         hidden = self._layers(embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks)
         return hidden, self.head(hidden[-1:] if last_only else hidden)
+
+    @cached_property
+    def lean(self) -> bool:
+        """Whether `decode_step` computes what `step` does: every layer's decoding path and a
+        plain small-rows lm_head."""
+        return all(layer.lean for layer in self.layers) and plain_decoding_linear(self.lm_head)
+
+    def decode_step(self, embeds: Tensor, hidden: Tensor, attention_mask: Optional[Tensor],
+                    cache: DecodeCache, last_only: bool = False):
+        """`step` without grad over the drafter's `cache`, whose keys and values it appends
+        and whose RoPE angles (DecodeCache.set_rotary) it reads, without megatron's per-call
+        machinery (Eagle3Layer.decode)."""
+        for layer in self.layers:
+            hidden = layer.decode(hidden, embeds, attention_mask, cache)
+        out = hidden[-1:] if last_only else hidden
+        logits, _ = decode_linear(self.lm_head, norm_decode(
+            self.final_layernorm, out, fused_norm(self.final_layernorm)))
+        return hidden, self._unpadded(logits)
 
     def _layers(self, embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks) -> Tensor:
         recompute = self.recompute and torch.is_grad_enabled()
@@ -151,6 +178,10 @@ class Eagle3Module(MegatronModule):
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and lm_head: [..., h] -> this rank's draft logits (padded = -inf)."""
         logits, _ = self.lm_head(self.final_layernorm(hidden))
+        return self._unpadded(logits)
+
+    def _unpadded(self, logits: Tensor) -> Tensor:
+        """The padded draft-vocabulary columns of this rank's logits set to -inf."""
         return logits.masked_fill(self._padded_ids, float("-inf")) if self._pads else logits
 
     def ttt_hidden(self, aux: Tensor, embeds: Tensor, rotary_pos_emb: Optional[Tensor],

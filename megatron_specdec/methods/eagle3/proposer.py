@@ -56,10 +56,20 @@ class Eagle3Drafter:
         if mask is None:
             mask = self.cache.causal_mask(slots)
         embeds = self.embedding(input_ids=next_tokens, position_ids=None)
-        out = self.module.step(embeds, hidden, self._rope[positions.T][:, :, 0], mask, self.kv,
-                               last_only)
+        rotary = self._rope[positions.T][:, :, 0]
+        if self.module.lean and not torch.is_grad_enabled():
+            self.cache.set_rotary(rotary)
+            out = self.module.decode_step(embeds, hidden, mask, self.cache, last_only)
+        else:
+            out = self.module.step(embeds, hidden, rotary, mask, self.kv, last_only)
         self.cache.commit()
         return out
+
+    def _blocks(self) -> list:
+        """Each draft layer's view of the cache, keyed by its layer number as its decoding
+        path keys it."""
+        return [self.cache.blocks(layer.self_attention.layer_number)
+                for layer in self.module.layers]
 
     def _step(self, hidden: Tensor, next_tokens: Tensor, counts=None):
         """Append hidden [s, b, h], next_tokens [b, s] after each row's cached entries and
@@ -91,7 +101,7 @@ class Eagle3Drafter:
         from megatron_specdec.models.layers.decode_attention import DecodeCache
 
         self.cache = DecodeCache(prompt.shape[0], max_length)
-        self.kv = [self.cache.blocks(i) for i in range(len(self.module.layers))]
+        self.kv = self._blocks()
         self._rope = self.rotary(max_length)
         self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1), lengths)
 
@@ -162,7 +172,7 @@ class Eagle3Drafter:
         found it, like `propose`."""
         whole = self.cache, self.kv, self._last, self.real
         self.cache = self.cache.row(row)
-        self.kv = [self.cache.blocks(i) for i in range(len(self.kv))]
+        self.kv = self._blocks()
         self._last = tuple(x[:, row: row + 1] for x in self._last)
         self.real = self.real[row: row + 1]
         try:
@@ -226,7 +236,7 @@ class Eagle3Drafter:
     def keep_rows(self, rows: Tensor):
         """Keep only the batch rows `rows` (ascending; finished rows leave the batch)."""
         self.cache.keep_rows(rows)
-        self.kv = [self.cache.blocks(i) for i in range(len(self.kv))]
+        self.kv = self._blocks()
         self.real = self.real[rows.cpu()]
         self._last = tuple(x.index_select(1, rows.to(x.device)) for x in self._last)
 
