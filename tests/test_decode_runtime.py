@@ -282,10 +282,9 @@ def test_adaptive_threshold_is_the_measured_cost_ratio(monkeypatch):
     from megatron_specdec.inference import draft_policy
     from megatron_specdec.inference.draft_policy import DraftPolicy, StepCosts, draft_chain
 
-    costs = StepCosts(decay=0.5)
+    costs = StepCosts()
     monkeypatch.setattr(draft_policy, "COSTS", costs)
     adaptive, fixed = DraftPolicy.named("adaptive", 4), DraftPolicy.named("fixed", 4)
-    adaptive.draft_cost.decay = 0.5
     assert adaptive.current_threshold() == draft_policy.DEFAULT_THRESHOLD  # nothing timed yet
     for rows, seconds in ((1, 0.040), (3, 0.044), (5, 0.048), (40, 9.0)):  # 40: not a verify
         costs.record_base(rows, seconds)
@@ -293,15 +292,48 @@ def test_adaptive_threshold_is_the_measured_cost_ratio(monkeypatch):
     # draft_chain times each draft step into the policy it runs under.
     pick = (lambda logits: (torch.ones(1), lambda: (torch.zeros(1, dtype=torch.long), None)))
     draft_chain(3, adaptive, None, lambda tokens: None, pick)
-    assert adaptive.draft_cost.seconds is not None
-    adaptive.draft_cost.seconds = 0.006
+    assert len(adaptive.draft_cost.times) == 2 and costs.fresh(adaptive.draft_cost) is not None
+    timed = DraftPolicy.named("adaptive", 4)
+    timed.draft_cost.record(0.006, costs.forwards)
     # base step 40 ms, each verify row 2 ms, a draft step 6 ms: (6 + 2) / 40.
-    assert adaptive.current_threshold() == pytest.approx(0.2)
-    assert adaptive.keeps(torch.tensor([0.25, 0.15])).tolist() == [True, False]
-    assert adaptive.tree_floor == pytest.approx(math.log(0.2))
-    adaptive.draft_cost.record(0.030)  # decayed: 18 ms a draft step -> (18 + 2) / 40
-    assert adaptive.current_threshold() == pytest.approx(0.5)
+    assert timed.current_threshold() == pytest.approx(0.2)
+    assert timed.keeps(torch.tensor([0.25, 0.15])).tolist() == [True, False]
+    assert timed.tree_floor == pytest.approx(math.log(0.2))
+    timed.draft_cost.record(0.030, costs.forwards)  # slower once: the fastest recent counts
+    assert timed.current_threshold() == pytest.approx(0.2)
+    slower = DraftPolicy.named("adaptive", 4)
+    slower.draft_cost.record(0.018, costs.forwards)  # (18 + 2) / 40
+    assert slower.current_threshold() == pytest.approx(0.5)
     assert fixed.current_threshold() is None and DraftPolicy(4, 0.3).current_threshold() == 0.3
     assert DraftPolicy.named("adaptive", 4).current_threshold() == 0.3  # another drafter's
-    adaptive.draft_cost.record(10.0)  # a draft step slower than anything: capped
-    assert adaptive.current_threshold() == draft_policy.THRESHOLD_RANGE[1]
+    slowest = DraftPolicy.named("adaptive", 4)
+    slowest.draft_cost.record(10.0, costs.forwards)  # slower than anything: capped
+    assert slowest.current_threshold() == draft_policy.THRESHOLD_RANGE[1]
+
+
+def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
+    """A verify width timed during a burst of other work raises the measured threshold, and
+    the policy then stops verifying that wide: that timing is forgotten after max_age base
+    forwards without a new one, and the threshold is the configured one again (which drafts,
+    and so measures the width afresh). A burst over a width timed before never counts."""
+    from megatron_specdec.inference import draft_policy
+    from megatron_specdec.inference.draft_policy import DraftPolicy, StepCosts
+
+    costs = StepCosts(window=4, max_age=10)
+    monkeypatch.setattr(draft_policy, "COSTS", costs)
+    policy = DraftPolicy.named("adaptive", 4)
+    for _ in range(3):
+        costs.record_base(1, 0.040)
+    costs.record_base(3, 0.044)
+    policy.draft_cost.record(0.004, costs.forwards)
+    assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
+    costs.record_base(3, 0.120)  # a burst over a timed width: its fastest recent counts
+    assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
+    costs.record_base(5, 0.100)  # a width first timed in a burst: 4x the threshold
+    assert policy.current_threshold() > 0.5
+    for _ in range(10):  # plain steps only, the draft still asked (its cost renewed)
+        costs.record_base(1, 0.040)
+        policy.draft_cost.record(0.004, costs.forwards)
+    assert policy.current_threshold() == draft_policy.DEFAULT_THRESHOLD
+    costs.record_base(3, 0.044)  # a verify timed again, in quiet
+    assert policy.current_threshold() == pytest.approx((4 + 2) / 40)

@@ -25,10 +25,18 @@ forwards are timed for the process (`COSTS`, by BaseRunner), draft steps for eac
 draft_chain: its drafter's own cost). Until both are measured, and for drafters whose drafts
 cost no draft step (n-gram: its gate is on its acceptance-rate estimate), the threshold is
 the configured one.
+
+Each cost is the fastest of its recent timings (`RecentCost`): other work on the machine, and
+a width's first forwards (allocations), only ever add time. And a timing not renewed within
+`StepCosts.max_age` base forwards is forgotten, because the measurement steers what gets
+measured: a verify width timed slow raises the threshold, the policy then stops drafting that
+far, and no forward of that width comes to correct it. Forgotten widths fall back to the
+configured threshold, which drafts, and so measures them again.
 """
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,27 +50,50 @@ DEFAULT_THRESHOLD = 0.3
 THRESHOLD_RANGE = (0.02, 0.9)
 
 
-def _mix(old: Optional[float], new: float, decay: float) -> float:
-    return new if old is None else decay * old + (1 - decay) * new
+class RecentCost:
+    """The cost of a repeated operation from its recent wall times: the fastest of the last
+    `window`, or None once `max_age` ticks (base forwards, StepCosts.forwards) passed without a
+    timing."""
+
+    def __init__(self, window: int = 8):
+        self.times = deque(maxlen=window)
+        self.stamp = 0
+
+    def record(self, seconds: float, now: int):
+        self.times.append(seconds)
+        self.stamp = now
+
+    def value(self, now: int, max_age: int) -> Optional[float]:
+        return min(self.times) if self.times and now - self.stamp < max_age else None
 
 
 class StepCosts:
-    """Running wall times of base forwards by tokens per row (1..max_rows)."""
+    """Recent wall times of base forwards by tokens per row (1..max_rows)."""
 
-    def __init__(self, decay: float = 0.8, max_rows: int = 16):
-        self.decay, self.max_rows = decay, max_rows
-        self.base = {}  # tokens per row -> seconds
+    def __init__(self, window: int = 8, max_age: int = 256, max_rows: int = 16):
+        self.window, self.max_age, self.max_rows = window, max_age, max_rows
+        self.forwards = 0  # base forwards timed: the clock recent costs age by
+        self.base = {}  # tokens per row -> RecentCost
 
     def record_base(self, rows: int, seconds: float):
         if 1 <= rows <= self.max_rows:
-            self.base[rows] = _mix(self.base.get(rows), seconds, self.decay)
+            self.forwards += 1
+            self.base.setdefault(rows, RecentCost(self.window)).record(seconds, self.forwards)
 
-    def threshold(self, draft_seconds: Optional[float]) -> Optional[float]:
+    def fresh(self, cost: RecentCost) -> Optional[float]:
+        """`cost` now (None: never timed, or forgotten)."""
+        return cost.value(self.forwards, self.max_age)
+
+    def threshold(self, draft: RecentCost) -> Optional[float]:
         """(draft step + one more verify row) / one-token base step, from a least-squares
-        line through the base times; None until a draft step and two row counts are timed."""
-        if draft_seconds is None or len(self.base) < 2:
+        line through the base times; None until a draft step and two row counts are timed
+        (and not forgotten)."""
+        draft_seconds = self.fresh(draft)
+        base = {rows: t for rows, cost in self.base.items()
+                if (t := self.fresh(cost)) is not None}
+        if draft_seconds is None or len(base) < 2:
             return None
-        xs, ys = list(self.base), list(self.base.values())
+        xs, ys = list(base), list(base.values())
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys))
                     / sum((x - mx) ** 2 for x in xs))
@@ -71,16 +102,6 @@ class StepCosts:
             return None
         low, high = THRESHOLD_RANGE
         return min(high, max(low, (draft_seconds + slope) / step))
-
-
-class DraftCost:
-    """Running wall time of one draft step of a policy's drafter."""
-
-    def __init__(self, decay: float = 0.8):
-        self.decay, self.seconds = decay, None
-
-    def record(self, seconds: float):
-        self.seconds = _mix(self.seconds, seconds, self.decay)
 
 
 # This process's base forwards (generation's decoding model): BaseRunner records into it.
@@ -93,7 +114,8 @@ class DraftPolicy:
     threshold: Optional[float] = DEFAULT_THRESHOLD  # None: always draft max_tokens
     max_backoff: int = 32
     measured: bool = False  # the threshold is the measured cost ratio once there is one
-    draft_cost: DraftCost = field(default_factory=DraftCost, compare=False, repr=False)
+    # One draft step of this policy's drafter.
+    draft_cost: RecentCost = field(default_factory=RecentCost, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -112,7 +134,7 @@ class DraftPolicy:
         """The threshold in force now (None: a fixed chain)."""
         if self.threshold is None or not self.measured:
             return self.threshold
-        measured = COSTS.threshold(self.draft_cost.seconds)
+        measured = COSTS.threshold(self.draft_cost)
         return self.threshold if measured is None else measured
 
     @property
@@ -154,7 +176,7 @@ def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
             logits = advance(drafts[-1])
             confidence, take = pick(logits)
             if policy is not None:
-                policy.draft_cost.record(time.perf_counter() - started)
+                policy.draft_cost.record(time.perf_counter() - started, COSTS.forwards)
         else:
             confidence, take = pick(logits)
         chain = chain * confidence  # non-increasing: a row that stops stays stopped
