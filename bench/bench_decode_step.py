@@ -57,9 +57,9 @@ def load_eagle3(path: str):
 
 
 def time_draft_step(model, repeats: int) -> dict:
-    """Median ms of one chained draft step (a fixed chain of STEPS after a CONTEXT-token
-    prefill, per step), by the draft's decoding path and by its layers' forward,
-    interleaved; the draft's weight bytes."""
+    """Median ms of one chained draft step (a fixed chain of 8 after a CONTEXT-token prefill,
+    per step), by the draft's decoding path and by its layers' forward, interleaved; the
+    draft's weight MB."""
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.inference.generator import build_drafter
     from megatron_specdec.inference.base_runner import BaseRunner
@@ -83,9 +83,9 @@ def time_draft_step(model, repeats: int) -> dict:
                 drafter.propose(steps, fixed)  # steps - 1 draft forwards after the first token
                 times[path].append((time.perf_counter() - start) * 1e3 / (steps - 1))
     model.draft.__dict__.pop("lean")
-    weights = [p for p in model.draft.parameters()]
+    weight_bytes = sum(w.numel() * w.element_size() for w in model.draft.parameters())
     return {"step_ms": {path: round(statistics.median(t[2:]), 3) for path, t in times.items()},
-            "weight_mb": round(sum(w.numel() * w.element_size() for w in weights) / 1e6, 1)}
+            "weight_mb": round(weight_bytes / 1e6, 1)}
 
 
 def main():

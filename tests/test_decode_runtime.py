@@ -329,7 +329,7 @@ def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
     costs.record_base(3, 0.120)  # a burst over a timed width: its fastest recent counts
     assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
-    costs.record_base(5, 0.100)  # a width first timed in a burst: 4x the threshold
+    costs.record_base(5, 0.100)  # a width first timed in a burst
     assert policy.current_threshold() > 0.5
     for _ in range(10):  # plain steps only, the draft still asked (its cost renewed)
         costs.record_base(1, 0.040)

@@ -17,6 +17,7 @@ from megatron_specdec.inference.metrics import summarise_by_category
 # The untimed first call: this many prompt tokens, and as many new ones.
 WARM_UP_TOKENS = 8
 
+
 def check_batch_size(batch_size):
     """--batch-size is an integer >= 1 (the CLI checks it before any rank starts)."""
     if not isinstance(batch_size, int) or batch_size < 1:
