@@ -315,7 +315,8 @@ def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     """A verify width timed during a burst of other work raises the measured threshold, and
     the policy then stops verifying that wide: that timing is forgotten after max_age base
     forwards without a new one, and the threshold is the configured one again (which drafts,
-    and so measures the width afresh). A burst over a width timed before never counts."""
+    and so measures the width afresh, from its new timings only). A burst over a width timed
+    before never counts."""
     from megatron_specdec.inference import draft_policy
     from megatron_specdec.inference.draft_policy import DraftPolicy, StepCosts
 
@@ -337,3 +338,8 @@ def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     assert policy.current_threshold() == draft_policy.DEFAULT_THRESHOLD
     costs.record_base(3, 0.044)  # a verify timed again, in quiet
     assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
+    for _ in range(10):
+        costs.record_base(1, 0.040)
+        policy.draft_cost.record(0.004, costs.forwards)
+    costs.record_base(3, 0.052)  # timed again after being forgotten: the new timing alone
+    assert policy.current_threshold() == pytest.approx((4 + 6) / 40)

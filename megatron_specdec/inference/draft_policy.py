@@ -27,8 +27,8 @@ cost no draft step (n-gram: its gate is on its acceptance-rate estimate), the th
 the configured one.
 
 Each cost is the fastest of its recent timings (`RecentCost`): other work on the machine, and
-a width's first forwards (allocations), only ever add time. And a timing not renewed within
-`StepCosts.max_age` base forwards is forgotten, because the measurement steers what gets
+a width's first forwards (allocations), only ever add time. And each timing is forgotten
+`StepCosts.max_age` base forwards after it was taken, because the measurement steers what gets
 measured: a verify width timed slow raises the threshold, the policy then stops drafting that
 far, and no forward of that width comes to correct it. Forgotten widths fall back to the
 configured threshold, which drafts, and so measures them again.
@@ -52,19 +52,18 @@ THRESHOLD_RANGE = (0.02, 0.9)
 
 class RecentCost:
     """The cost of a repeated operation from its recent wall times: the fastest of the last
-    `window`, or None once `max_age` ticks (base forwards, StepCosts.forwards) passed without a
-    timing."""
+    `window` that are younger than `max_age` ticks (base forwards, StepCosts.forwards); None
+    when there is none. Each timing ages on its own, so a cost timed again after being
+    forgotten is the new timings only."""
 
     def __init__(self, window: int = 8):
-        self.times = deque(maxlen=window)
-        self.stamp = 0
+        self.times = deque(maxlen=window)  # (seconds, tick)
 
     def record(self, seconds: float, now: int):
-        self.times.append(seconds)
-        self.stamp = now
+        self.times.append((seconds, now))
 
     def value(self, now: int, max_age: int) -> Optional[float]:
-        return min(self.times) if self.times and now - self.stamp < max_age else None
+        return min((t for t, tick in self.times if now - tick < max_age), default=None)
 
 
 class StepCosts:
