@@ -336,7 +336,15 @@ def main():
                    a == b for a, b in zip(s["outputs"], base["outputs"])),
                "vs_project_greedy_by_category": speed_by_category(prompts, s, base),
                "vs_transformers_greedy_by_category": speed_by_category(
-                   prompts, s, stats["transformers greedy"])}
+                   prompts, s, stats["transformers greedy"]),
+               # Prompt by prompt, in the order they ran: drift over a long run shows here.
+               "per_prompt": [{"category": c, "prompt_tokens": len(ids), "new_tokens": len(out),
+                               "seconds": round(t, 4)}
+                              for (c, ids), out, t in zip(prompts, s["outputs"], s["times"])]}
+        for entry, r in zip(row["per_prompt"], s["results"]):
+            if r is not None:
+                entry.update(rounds=len(r.accepted), drafted=sum(r.drafted),
+                             accepted=sum(r.accepted))
         results = [r for r in s["results"] if r is not None]
         if results:
             k = results[0].num_draft_tokens
