@@ -323,6 +323,12 @@ def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     costs = StepCosts(window=4, max_age=10)
     monkeypatch.setattr(draft_policy, "COSTS", costs)
     policy = DraftPolicy.named("adaptive", 4)
+
+    def plain_steps(n):  # plain steps only, the draft still asked (its cost renewed)
+        for _ in range(n):
+            costs.record_base(1, 0.040)
+            policy.draft_cost.record(0.004, costs.forwards)
+
     for _ in range(3):
         costs.record_base(1, 0.040)
     costs.record_base(3, 0.044)
@@ -332,14 +338,10 @@ def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
     costs.record_base(5, 0.100)  # a width first timed in a burst
     assert policy.current_threshold() > 0.5
-    for _ in range(10):  # plain steps only, the draft still asked (its cost renewed)
-        costs.record_base(1, 0.040)
-        policy.draft_cost.record(0.004, costs.forwards)
+    plain_steps(10)
     assert policy.current_threshold() == draft_policy.DEFAULT_THRESHOLD
     costs.record_base(3, 0.044)  # a verify timed again, in quiet
     assert policy.current_threshold() == pytest.approx((4 + 2) / 40)
-    for _ in range(10):
-        costs.record_base(1, 0.040)
-        policy.draft_cost.record(0.004, costs.forwards)
+    plain_steps(10)
     costs.record_base(3, 0.052)  # timed again after being forgotten: the new timing alone
     assert policy.current_threshold() == pytest.approx((4 + 6) / 40)
