@@ -1,11 +1,13 @@
 """The few-row products of decoding against the machine's memory bandwidth: the skinny op
-(csrc/skinny_gemm.cpp), `F.linear` (what stock transformers and megatron run) and `W @ x.T`,
-for every weight shape of SmolLM2-135M and of an 8B Llama (Llama 3.1 8B) at 1-16 rows.
+(csrc/skinny_gemm.cpp) at its two block widths, `F.linear` (what stock transformers and
+megatron run) and `W @ x.T`, for every weight shape of SmolLM2-135M and of an 8B Llama (Llama
+3.1 8B) at 1-16 rows.
 
 A weight smaller than twice the L3 is multiplied as distinct copies in turn, so it streams
 from memory as in a decode step (models/layers/linear_kernels.time_candidates). Each cell prints
 milliseconds a product and its fraction of the read bound (weight bytes / measured read
-bandwidth: 1.0 = at the bound), and which product the kernel choice takes for the shape.
+bandwidth: 1.0 = at the bound), and which product the kernel choice takes for the shape at
+that row count.
 
     python bench/bench_linear.py [--models smollm2 llama8b] [--rows 1 2 4 8 16] [--repeats 3]
 
@@ -103,7 +105,8 @@ def main():
             for rows in args.rows:
                 cells = "".join(f"{times[n][rows]:>15.3f}{bound_ms / times[n][rows]:>9.2f}"
                                 for n in names)
-                print(f"{model + '/' + layer:18}{rows:>5}{cells}  {chosen or ''}", flush=True)
+                print(f"{model + '/' + layer:18}{rows:>5}{cells}  {(chosen or {}).get(rows, '')}",
+                      flush=True)
     about["load_average_1min_after"] = os.getloadavg()[0]
     report = {"machine": about, "what": "ms a product x[rows, in] @ W[out, in].T, float32; "
               "of_bound = (weight bytes / read bandwidth) / ms", "results": results}

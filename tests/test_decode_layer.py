@@ -136,12 +136,14 @@ def test_a_chain_through_the_cpp_ops_equals_one_token_steps_bitwise(family):
     assert torch.equal(together, apart), (together - apart).abs().max()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_whole_layer_op_equals_its_ops_one_by_one_bitwise(family, monkeypatch):
-    """decode_layer runs the same kernels in the same order as the per-op path."""
+@pytest.mark.parametrize("family,product", [("llama", "skinny"), ("qwen2", "skinny"),
+                                             ("llama", "skinny_row")])
+def test_the_whole_layer_op_equals_its_ops_one_by_one_bitwise(family, product, monkeypatch):
+    """decode_layer runs the same kernels in the same order as the per-op path, at either of
+    the skinny op's block widths."""
     from megatron_specdec.models.layers import linear_kernels
 
-    monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny")
+    monkeypatch.setenv(linear_kernels.PIN_ENV, product)
     linear_kernels.reset()
     distributed.initialize(1, 1)
     base = base_model(hf_config(family))

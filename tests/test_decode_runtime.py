@@ -52,9 +52,10 @@ def choice_cache(tmp_path, monkeypatch):
 
     def fake_times(out_features, in_features, dtype, names, buckets):
         measured.append((out_features, in_features))
-        # f_linear 3x faster at 1 row, equal elsewhere; weight_left slower at every count.
-        return {name: {b: (3.0 if name == "skinny" and b == 1 else
-                           2.0 if name == "weight_left" else 1.0) for b in buckets}
+        # The skinny op's one-row blocks faster at 1 row, its ISA blocks at every other count;
+        # f_linear as fast as the faster of the two, weight_left slower at every count.
+        return {name: {b: (2.0 if name == "weight_left" or (name, b == 1) in
+                           (("skinny", True), ("skinny_row", False)) else 1.0) for b in buckets}
                 for name in names}
 
     monkeypatch.setattr(linear_kernels, "time_candidates", fake_times)
@@ -66,13 +67,16 @@ def choice_cache(tmp_path, monkeypatch):
 def test_kernel_choice_is_measured_once_then_read_from_the_cache(choice_cache):
     kernels, measured = choice_cache
     w = torch.randn(24, 16)
-    fn = kernels.product(w, 1)
-    assert all(kernels.product(w, rows) is fn for rows in range(1, kernels.INVARIANT_ROWS + 1))
-    assert kernels.product(w, 100) is kernels.CANDIDATES[
-        "skinny" if "skinny" in kernels.candidates(w.dtype) else "f_linear"]
+    small = [kernels.product(w, rows) for rows in range(1, kernels.INVARIANT_ROWS + 1)]
+    if "skinny" in kernels.candidates(w.dtype):
+        # One row-invariant product, its faster block width at each count.
+        assert small == [kernels.skinny_row] + [kernels.skinny] * (len(small) - 1)
+        assert kernels.product(w, 100) is kernels.skinny
+    else:
+        assert small == [kernels.f_linear] * len(small)
     assert measured == [(24, 16)]
     kernels.reset()  # a new process: the choice comes from the file, nothing is timed
-    assert kernels.product(w, 3) is fn and measured == [(24, 16)]
+    assert kernels.product(w, 3) is small[2] and measured == [(24, 16)]
     path = kernels.cache_path(kernels.machine())
     assert json.loads(path.read_text())["machine"] == kernels.machine()
 
@@ -82,9 +86,17 @@ def test_kernel_choice_keeps_the_row_invariant_product_within_its_margin():
 
     buckets = SMALL_BUCKETS + WIDE_BUCKETS
     near = {"skinny": {b: 1.05 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
-    assert choose(near)["small"] == "skinny" and choose(near)["wide"][32] == "f_linear"
+    assert set(choose(near)["small"].values()) == {"skinny"}
+    assert choose(near)["wide"][32] == "f_linear"
     far = {"skinny": {b: 2.0 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
-    assert choose(far)["small"] == "f_linear"
+    assert set(choose(far)["small"].values()) == {"f_linear"}
+    # The block widths count as one product: each alone is beyond the margin at some counts,
+    # the faster of the two at each count is within it.
+    widths = {"skinny": {b: 1.0 if b > 2 else 1.5 for b in buckets},
+              "skinny_row": {b: 1.0 if b <= 2 else 1.5 for b in buckets},
+              "f_linear": {b: 1.0 for b in buckets}}
+    assert choose(widths)["small"] == {1: "skinny_row", 2: "skinny_row", 4: "skinny",
+                                       8: "skinny", 16: "skinny"}
 
 
 @pytest.mark.parametrize("foreign", [{"cpu": "Intel(R) Xeon(R) Platinum 8488C"},
@@ -96,8 +108,8 @@ def test_kernel_choice_refuses_a_foreign_entry_and_measures_again(choice_cache, 
     path.parent.mkdir(parents=True)
     # A cache copied from another machine (or an older torch or kernel), at this one's path.
     path.write_text(json.dumps({"machine": {**key, **foreign}, "entries": {
-        "24x16/float32": {"small": "weight_left", "wide": {"32": "weight_left", "64":
-                          "weight_left", "128": "weight_left"}}}}))
+        "24x16/float32": {"small": {str(b): "weight_left" for b in kernels.SMALL_BUCKETS},
+                          "wide": {str(b): "weight_left" for b in kernels.WIDE_BUCKETS}}}}))
     fn = kernels.product(torch.randn(24, 16), 2)
     assert measured == [(24, 16)] and fn is not kernels.CANDIDATES["weight_left"]
     assert json.loads(path.read_text())["machine"] == key  # replaced by this machine's

@@ -1,7 +1,7 @@
 """The skinny GEMM of decoding (csrc/skinny_gemm.cpp): equal to F.linear within fp32 tolerance
-for random shapes, 1-16 rows and strided inputs; bitwise row-invariant (a row alone equals the
-same row inside a call of 2, 5, 8, 16 or more rows) on every ISA path this CPU runs; bad input
-named in one line."""
+for random shapes, 1-16 rows and strided inputs, at both block widths; bitwise row-invariant (a
+row alone equals the same row inside a call of 2, 5, 8, 16 or more rows, whichever block width
+each call takes) on every ISA path this CPU runs; bad input named in one line."""
 
 import os
 import subprocess
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not op_available("skinny_linear"),
                                 reason="megatron_specdec._C is not built with skinny_linear")
 
 
-def skinny(x, w):
-    return torch.ops.megatron_specdec.skinny_linear(x, w)
+def skinny(x, w, block_rows=0):
+    return torch.ops.megatron_specdec.skinny_linear(x, w, block_rows)
 
 
 # In-features off the vector width (tails of 1..15), out-features off the 4-row block.
@@ -32,9 +32,11 @@ def test_equals_f_linear(out_features, in_features):
     w = torch.randn(out_features, in_features, generator=g)
     for rows in range(1, 17):
         x = torch.randn(rows, in_features, generator=g)
-        out = skinny(x, w)
-        assert out.shape == (rows, out_features) and out.is_contiguous()
-        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+        for block_rows in (0, 1):
+            out = skinny(x, w, block_rows)
+            assert out.shape == (rows, out_features) and out.is_contiguous()
+            torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5,
+                                       atol=1e-5 * in_features ** 0.5)
 
 
 def test_strided_and_batched_inputs():
@@ -52,8 +54,8 @@ def test_strided_and_batched_inputs():
     }
     for name, x in views.items():
         assert not x.is_contiguous() or name == "one row, 3-D"
-        for weight in (w, wt):
-            out = skinny(x, weight)
+        for weight, block_rows in ((w, 0), (wt, 0), (w, 1)):
+            out = skinny(x, weight, block_rows)
             assert out.shape == x.shape[:-1] + (weight.shape[0],), name
             torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4, msg=name)
 
@@ -62,11 +64,13 @@ def _invariance(in_features: int):
     g = torch.Generator().manual_seed(in_features)
     w = torch.randn(203, in_features, generator=g)
     x = torch.randn(40, in_features, generator=g)
-    alone = torch.cat([skinny(x[i: i + 1], w) for i in range(x.shape[0])])
+    alone = torch.cat([skinny(x[i: i + 1], w, 1) for i in range(x.shape[0])])
+    assert torch.equal(torch.cat([skinny(x[i: i + 1], w) for i in range(x.shape[0])]), alone)
     for m in (2, 5, 8, 16, 33, 40):
         for start in (0, x.shape[0] - m):  # a row at every place of the call
-            together = skinny(x[start: start + m], w)
-            assert torch.equal(together, alone[start: start + m]), (in_features, m, start)
+            for block_rows in (0, 1):
+                together = skinny(x[start: start + m], w, block_rows)
+                assert torch.equal(together, alone[start: start + m]), (in_features, m, start)
 
 
 @pytest.mark.parametrize("in_features", [576, 1000, 13])
@@ -105,6 +109,8 @@ def test_bad_input_named_in_one_line():
         with pytest.raises(RuntimeError, match=message) as info:
             skinny(x, weight)
         assert "skinny_linear" in str(info.value).splitlines()[0]
+    with pytest.raises(RuntimeError, match=r"block_rows must be 0 \(the ISA's block\) or 1"):
+        skinny(torch.randn(2, 16), w, 3)
 
 
 def test_empty_shapes():

@@ -332,15 +332,18 @@ at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_no
                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                             const at::Tensor& values, int64_t first, int64_t heads, double scale,
                             const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
-                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight) {
-  at::Tensor qkv = skinny_linear_cpu(rms_norm_cpu(hidden, input_norm, input_eps), qkv_weight);
+                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight,
+                            at::IntArrayRef block_rows) {
+  TORCH_CHECK(block_rows.size() == 4, "decode_layer: block_rows must hold 4 widths (QKV, output, fc1, fc2), got ",
+              block_rows.size());
+  at::Tensor qkv = skinny_linear_cpu(rms_norm_cpu(hidden, input_norm, input_eps), qkv_weight, block_rows[0]);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   at::Tensor mid = skinny_linear_cpu(chain_attention_cpu(qkv, cos, sin, keys, values, first, heads, scale),
-                                     proj_weight);
+                                     proj_weight, block_rows[1]);
   mid.add_(hidden);
-  at::Tensor out =
-      skinny_linear_cpu(silu_mul_cpu(skinny_linear_cpu(rms_norm_cpu(mid, mlp_norm, mlp_eps), fc1_weight)),
-                        fc2_weight);
+  at::Tensor out = skinny_linear_cpu(
+      silu_mul_cpu(skinny_linear_cpu(rms_norm_cpu(mid, mlp_norm, mlp_eps), fc1_weight, block_rows[2])),
+      fc2_weight, block_rows[3]);
   return out.add_(mid);
 }
 

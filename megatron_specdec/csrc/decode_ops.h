@@ -27,12 +27,14 @@ at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, con
 // A whole pre-norm decoder layer over a batch-1 causal chain (hidden [s, 1, H]): RMSNorm,
 // QKV product (+ bias), chain_attention, output product + residual, RMSNorm, fc1 product, gated
 // SiLU, fc2 product + residual. The same kernels in the same order as those ops called one by
-// one, so bitwise their result, without a dispatch and a Python call per op.
+// one, so bitwise their result, without a dispatch and a Python call per op. block_rows: the
+// skinny GEMM's block width for the QKV, output, fc1 and fc2 products.
 at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
                             const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                             const at::Tensor& values, int64_t first, int64_t heads, double scale,
                             const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
-                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight);
+                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight,
+                            at::IntArrayRef block_rows);
 
 }  // namespace specdec

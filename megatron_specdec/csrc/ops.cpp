@@ -31,7 +31,7 @@ TORCH_LIBRARY(megatron_specdec, m) {
   m.def(
       "typical_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens, float temperature, float eps, "
       "float alpha) -> (Tensor, Tensor)");
-  m.def("skinny_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, int block_rows=0) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
@@ -41,7 +41,8 @@ TORCH_LIBRARY(megatron_specdec, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor input_norm, float input_eps, Tensor qkv_weight, Tensor? qkv_bias, "
       "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int first, int heads, float scale, "
-      "Tensor proj_weight, Tensor mlp_norm, float mlp_eps, Tensor fc1_weight, Tensor fc2_weight) -> Tensor");
+      "Tensor proj_weight, Tensor mlp_norm, float mlp_eps, Tensor fc1_weight, Tensor fc2_weight, "
+      "int[4] block_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
-from megatron_specdec.models.layers.linear_kernels import product, skinny
+from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 
 # The arguments `decode` takes; another one given (not None) keeps forward.
@@ -138,7 +138,14 @@ class DecodeTransformerLayer(TransformerLayer):
                 and all(linear.bias is None for linear in linears[1:])
                 and (linears[0].bias is None or not linears[0].skip_bias_add)
                 and not self.config.fp32_residual_connection
-                and all(product(linear.weight, 1) is skinny for linear in linears))
+                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
+
+    @cached_property
+    def block_rows(self) -> dict:
+        """{rows: the skinny op's block width for each of the layer's four products}, filled as
+        row counts come; a chain longer than INVARIANT_ROWS (a prefill) takes the widest
+        bucket's, as the op computes every row with the skinny product."""
+        return {}
 
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
@@ -158,9 +165,15 @@ class DecodeTransformerLayer(TransformerLayer):
         """`decode` of a batch-1 chain as one C++ op: the same kernels in the same order."""
         attention, mlp = self.self_attention, self.mlp
         dtype = hidden_states.dtype
+        rows = hidden_states.shape[0]
+        blocks = self.block_rows.get(rows)
+        if blocks is None:
+            linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+            blocks = self.block_rows[rows] = [
+                skinny_block(product(linear.weight, min(rows, INVARIANT_ROWS))) for linear in linears]
         return torch.ops.megatron_specdec.decode_layer(
             hidden_states, self.input_layernorm.weight, norm_eps(self.input_layernorm, dtype),
             attention.linear_qkv.weight, attention.linear_qkv.bias,
             *attention.chain_args(cache, first, hidden_states), attention.linear_proj.weight,
             self.pre_mlp_layernorm.weight, norm_eps(self.pre_mlp_layernorm, dtype),
-            mlp.linear_fc1.weight, mlp.linear_fc2.weight)
+            mlp.linear_fc1.weight, mlp.linear_fc2.weight, blocks)

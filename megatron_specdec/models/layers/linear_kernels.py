@@ -14,7 +14,10 @@ Rows 1..INVARIANT_ROWS (a decode step and a chain verify over k+1 <= 16 tokens) 
 product per shape, whatever their number: a verify forward then computes each row as a plain
 step does. The skinny op (csrc/skinny_gemm.cpp) is row-invariant bitwise, so with it
 speculative output equals greedy by construction; it is kept unless another product is more
-than INVARIANCE_MARGIN faster over those rows. Wider calls (batches, trees) choose per bucket.
+than INVARIANCE_MARGIN faster over those rows. Its two block widths (the ISA's block of weight
+rows, "skinny", and one row a block, "skinny_row") compute the same bits, so they count as one
+product for that choice and each row bucket takes the faster of the two. Wider calls (batches,
+trees) choose per bucket.
 """
 
 import hashlib
@@ -39,13 +42,18 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16)
 WIDE_BUCKETS = (32, 64, 128)
 MAX_ROWS = WIDE_BUCKETS[-1]  # above: F.linear (a prefill), never measured
 INVARIANCE_MARGIN = 0.10
-FORMAT = 1
+FORMAT = 2
 # SPECDEC_LINEAR=<candidate> pins every shape to one product (benchmarks, comparisons).
 PIN_ENV = "SPECDEC_LINEAR"
 
 
 def skinny(x, weight):
     return torch.ops.megatron_specdec.skinny_linear(x, weight)
+
+
+def skinny_row(x, weight):
+    """The skinny op reading one weight row a block: a single stream through the weights."""
+    return torch.ops.megatron_specdec.skinny_linear(x, weight, 1)
 
 
 def f_linear(x, weight):
@@ -64,15 +72,23 @@ def weight_left(x, weight):
     return (out[:1] if single else out).contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-CANDIDATES = {"skinny": skinny, "f_linear": f_linear, "weight_left": weight_left}
+CANDIDATES = {"skinny": skinny, "skinny_row": skinny_row, "f_linear": f_linear,
+              "weight_left": weight_left}
+# The skinny op's block widths, bitwise equal products ("block_rows" argument of the op).
+SKINNY_BLOCKS = {"skinny": 0, "skinny_row": 1}
 
 
 def candidates(dtype) -> tuple:
     """The products that take `dtype` here (the skinny op: float32, extension built)."""
     names = ("f_linear", "weight_left")
     if dtype == torch.float32 and op_available("skinny_linear"):
-        names = ("skinny",) + names
+        names = tuple(SKINNY_BLOCKS) + names
     return names
+
+
+def skinny_block(fn) -> int | None:
+    """The skinny op's block_rows for product `fn`; None: not the skinny op."""
+    return next((SKINNY_BLOCKS[name] for name in SKINNY_BLOCKS if CANDIDATES[name] is fn), None)
 
 
 def _cpu_info() -> dict:
@@ -126,7 +142,7 @@ def _l3_bytes() -> int:
 
 
 def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
-                    repeats: int = 3, max_copies: int = 64) -> dict:
+                    repeats: int = 5, max_copies: int = 64) -> dict:
     """{name: {rows: ms a call}}: the best of `repeats` passes over distinct weight copies
     (together at least twice the L3, so they stream from memory), candidates interleaved so
     that other work on the machine falls on all of them alike."""
@@ -150,23 +166,31 @@ def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
     return best
 
 
-def choose_small(times: dict) -> str:
-    """The one product for rows 1..INVARIANT_ROWS from time_candidates' result over (at
-    least) SMALL_BUCKETS: the best mean of time / best time, the skinny op within its margin."""
-    def relative(name):
-        return sum(times[name][b] / min(t[b] for t in times.values())
+def choose_small(times: dict) -> dict:
+    """{bucket: product} for rows 1..INVARIANT_ROWS from time_candidates' result over (at
+    least) SMALL_BUCKETS: one product, the best mean of time / best time, the skinny op (its
+    faster block width per bucket) within its margin."""
+    blocks = [name for name in SKINNY_BLOCKS if name in times]
+    fastest = {b: min(blocks, key=lambda name: times[name][b]) for b in SMALL_BUCKETS} \
+        if blocks else {}
+    products = {name: {b: name for b in SMALL_BUCKETS} for name in times if name not in blocks}
+    if blocks:
+        products["skinny"] = fastest
+
+    def relative(per_bucket):
+        return sum(times[per_bucket[b]][b] / min(t[b] for t in times.values())
                    for b in SMALL_BUCKETS) / len(SMALL_BUCKETS)
 
-    scores = {name: relative(name) for name in times}
+    scores = {name: relative(per_bucket) for name, per_bucket in products.items()}
     small = min(scores, key=scores.get)
-    if "skinny" in scores and scores["skinny"] <= scores[small] * (1 + INVARIANCE_MARGIN):
+    if blocks and scores["skinny"] <= scores[small] * (1 + INVARIANCE_MARGIN):
         small = "skinny"
-    return small
+    return products[small]
 
 
 def choose(times: dict) -> dict:
-    """{"small": product for rows 1..INVARIANT_ROWS, "wide": {bucket: product}} from
-    time_candidates' result (rows as ints)."""
+    """{"small": {bucket: product} for rows 1..INVARIANT_ROWS (one product, or the skinny op's
+    block widths), "wide": {bucket: product}} from time_candidates' result (rows as ints)."""
     wide = {b: min(times, key=lambda name: times[name][b]) for b in WIDE_BUCKETS}
     return {"small": choose_small(times), "wide": wide}
 
@@ -213,14 +237,19 @@ class KernelChoice:
         key = self.shape_key(out_features, in_features, dtype)
         found = self.entries.get(key)
         names = candidates(dtype)
-        if found is None or found.get("small") not in names:
+        small = found.get("small") if isinstance(found, dict) else None
+        if (not isinstance(small, dict) or set(small) != {str(b) for b in SMALL_BUCKETS}
+                or not set(small.values()) <= set(names)):
             times = time_candidates(out_features, in_features, dtype, names,
                                     SMALL_BUCKETS + WIDE_BUCKETS)
-            found = {**choose(times), "ms": times}
-            found["wide"] = {str(b): name for b, name in found["wide"].items()}
+            chosen = choose(times)
+            found = {key: {str(b): name for b, name in per_bucket.items()}
+                     for key, per_bucket in chosen.items()}
+            found["ms"] = times
             self.entries[key] = found
             self._save()
-            log.info("linear %s: %s for 1-%d rows (measured)", key, found["small"],
+            log.info("linear %s: %s for 1-%d rows (measured)", key,
+                     ", ".join(f"{b}: {name}" for b, name in found["small"].items()),
                      INVARIANT_ROWS)
         return found
 
@@ -233,7 +262,7 @@ def product(weight: torch.Tensor, rows: int):
     """The function computing `x @ weight.T` for `rows` rows (<= MAX_ROWS) on this machine."""
     global _choice
     out_features, in_features = weight.shape
-    bucket = 0 if rows <= INVARIANT_ROWS else next(b for b in WIDE_BUCKETS if rows <= b)
+    bucket = next(b for b in SMALL_BUCKETS + WIDE_BUCKETS if rows <= b)
     key = (out_features, in_features, weight.dtype, bucket)
     fn = _products.get(key)
     if fn is None:
@@ -245,7 +274,7 @@ def product(weight: torch.Tensor, rows: int):
         else:
             _choice = _choice or KernelChoice()
             found = _choice.entry(out_features, in_features, weight.dtype)
-            name = found["small"] if bucket == 0 else found["wide"][str(bucket)]
+            name = found["small" if rows <= INVARIANT_ROWS else "wide"][str(bucket)]
         fn = _products[key] = CANDIDATES[name]
     return fn
 
