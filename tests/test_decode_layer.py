@@ -3,12 +3,14 @@ logits of megatron's TransformerLayer forward: for Llama, Qwen2 (q/k/v bias) and
 norm) bases, at TP=1 and TP=2, over a ragged prefill, a chain verify and one-token steps of a
 batch of two. With its C++ ops (csrc/decode_ops.cpp) it equals forward within float32
 rounding at batch 1 and 2, and a batch-1 chain's logits equal one-token steps' bitwise. An MoE
-layer keeps megatron's forward."""
+layer keeps megatron's forward. The stage runner calls a layer a hook watches, and runs the
+others' decode directly."""
 
 import pytest
 import torch
 
 from megatron_specdec import distributed
+from megatron_specdec.models.layers.decode_attention import DecodeCache
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -179,3 +181,22 @@ def test_a_prefill_wider_than_the_small_row_products_equals_megatron_forward():
         set_path(base, lean)
         out[lean] = StageRunner(base, 1, MAX_ROWS + 20, 512).step(tokens)
     assert torch.equal(out[True], out[False]), (out[True] - out[False]).abs().max()
+
+
+def test_a_hooked_layer_is_called_and_an_unhooked_one_decoded_directly():
+    """The stage runner runs a decoding layer's decode itself (skipping megatron's call path)
+    unless a hook watches the layer: then the layer is called, the hook sees every step, and
+    the logits are the same."""
+    distributed.initialize(1, 1)
+    base = base_model(hf_config("llama"))
+    direct = logits(base, True, True)
+    seen = []
+    hook = base.decoder.layers[1].register_forward_hook(lambda *_: seen.append(1))
+    try:
+        with torch.no_grad():
+            assert [layer.direct_decode(DecodeCache(1, 8))
+                    for layer in base.decoder.layers] == [True, False]
+        called = logits(base, True, True)
+    finally:
+        hook.remove()
+    assert len(seen) == 5 and torch.equal(direct, called)

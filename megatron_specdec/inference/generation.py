@@ -94,11 +94,16 @@ class StageRunner:
 
     def _layers(self, hidden, mask):
         """This stage's decoder layers over the cache, recording the outputs named in
-        `capture_ids`."""
+        `capture_ids`. A decoding layer no hook watches runs its decode path directly."""
+        from megatron_specdec.models.layers.decode_layer import DecodeTransformerLayer
+
         self.captured = {}
         for layer in self.model.decoder.layers:
-            hidden, _ = layer(hidden_states=hidden, attention_mask=mask,
-                              inference_context=self.context)
+            if isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context):
+                hidden = layer.decode(hidden, mask, self.context)
+            else:
+                hidden, _ = layer(hidden_states=hidden, attention_mask=mask,
+                                  inference_context=self.context)
             if layer.layer_number - 1 in self.capture_ids:
                 self.captured[layer.layer_number - 1] = hidden
         return hidden

@@ -103,11 +103,22 @@ class DecodeTransformerLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         cache = kwargs.get("inference_context")
-        if (isinstance(cache, DecodeCache) and not args and not torch.is_grad_enabled()
-                and not self.training and self.lean
+        if (not args and self.decodes(cache)
                 and all(v is None for k, v in kwargs.items() if k not in _DECODE_KWARGS)):
             return self.decode(kwargs["hidden_states"], kwargs.get("attention_mask"), cache), None
         return super().forward(*args, **kwargs)
+
+    def decodes(self, cache) -> bool:
+        """Whether a call of this layer over `cache` (hidden states, attention mask and the
+        cache, nothing else) runs `decode`."""
+        return (isinstance(cache, DecodeCache) and not torch.is_grad_enabled()
+                and not self.training and self.lean)
+
+    def direct_decode(self, cache) -> bool:
+        """Whether a caller may run `decode` itself instead of calling the module: it decodes
+        and no hook would see the call. megatron's call path (CUDA graph checks, then
+        nn.Module's) costs ~0.1 ms a layer on a 2-core CPU, ~7% of a SmolLM2 step."""
+        return self.decodes(cache) and not (self._forward_hooks or self._forward_pre_hooks)
 
     @cached_property
     def lean(self) -> bool:
