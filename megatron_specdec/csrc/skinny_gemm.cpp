@@ -60,7 +60,7 @@ inline void prefetch_l2(const float* p) {
 
 // A block of one weight row reads that row into L1 this many floats (eight cache lines) ahead
 // of its products: a single stream without it read ~15% slower than the ISA's block, with it
-// ~13% faster (AMD EPYC Zen 3, a decode step's products at one row of x).
+// 7-13% faster (AMD EPYC Zen 3, a decode step's products at one row of x).
 constexpr int64_t kRowAhead = 128;
 
 inline void prefetch_line(const float* p) {
