@@ -243,8 +243,8 @@ class KernelChoice:
             times = time_candidates(out_features, in_features, dtype, names,
                                     SMALL_BUCKETS + WIDE_BUCKETS)
             chosen = choose(times)
-            found = {key: {str(b): name for b, name in per_bucket.items()}
-                     for key, per_bucket in chosen.items()}
+            found = {part: {str(b): name for b, name in per_bucket.items()}
+                     for part, per_bucket in chosen.items()}
             found["ms"] = times
             self.entries[key] = found
             self._save()
