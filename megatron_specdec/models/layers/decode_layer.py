@@ -137,13 +137,18 @@ class DecodeTransformerLayer(TransformerLayer):
         return (fused_norm(self.input_layernorm), fused_norm(self.pre_mlp_layernorm),
                 fused_silu(self.mlp))
 
+    @property
+    def linears(self) -> tuple:
+        """The four weight products, in the decode_layer op's order: QKV, output, fc1, fc2."""
+        attention, mlp = self.self_attention, self.mlp
+        return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+
     @cached_property
     def layer_op(self) -> bool:
         """Whether a batch-1 chain can run the whole layer as the C++ decode_layer op: every
         part one of the ops above, every weight product the skinny op on this machine, one TP
         rank, and no bias but the QKV product's own."""
-        attention, mlp = self.self_attention, self.mlp
-        linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+        attention, linears = self.self_attention, self.linears
         return (all(self.fused) and attention.chain_op and op_available("decode_layer")
                 and all(linear.tp_group.size() == 1 for linear in linears)
                 and all(linear.bias is None for linear in linears[1:])
@@ -153,9 +158,10 @@ class DecodeTransformerLayer(TransformerLayer):
 
     @cached_property
     def block_rows(self) -> dict:
-        """{rows: the skinny op's block width for each of the layer's four products}, filled as
-        row counts come; a chain longer than INVARIANT_ROWS (a prefill) takes the widest
-        bucket's, as the op computes every row with the skinny product."""
+        """{rows (at most INVARIANT_ROWS): the skinny op's block width for each of the layer's
+        four products}, filled as row counts come; a chain longer than INVARIANT_ROWS (a
+        prefill) takes the widest bucket's, as the op computes every row with the skinny
+        product."""
         return {}
 
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
@@ -176,12 +182,11 @@ class DecodeTransformerLayer(TransformerLayer):
         """`decode` of a batch-1 chain as one C++ op: the same kernels in the same order."""
         attention, mlp = self.self_attention, self.mlp
         dtype = hidden_states.dtype
-        rows = hidden_states.shape[0]
+        rows = min(hidden_states.shape[0], INVARIANT_ROWS)
         blocks = self.block_rows.get(rows)
         if blocks is None:
-            linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
-            blocks = self.block_rows[rows] = [
-                skinny_block(product(linear.weight, min(rows, INVARIANT_ROWS))) for linear in linears]
+            blocks = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
+                                              for linear in self.linears]
         return torch.ops.megatron_specdec.decode_layer(
             hidden_states, self.input_layernorm.weight, norm_eps(self.input_layernorm, dtype),
             attention.linear_qkv.weight, attention.linear_qkv.bias,

@@ -171,11 +171,10 @@ def choose_small(times: dict) -> dict:
     least) SMALL_BUCKETS: one product, the best mean of time / best time, the skinny op (its
     faster block width per bucket) within its margin."""
     blocks = [name for name in SKINNY_BLOCKS if name in times]
-    fastest = {b: min(blocks, key=lambda name: times[name][b]) for b in SMALL_BUCKETS} \
-        if blocks else {}
     products = {name: {b: name for b in SMALL_BUCKETS} for name in times if name not in blocks}
     if blocks:
-        products["skinny"] = fastest
+        products["skinny"] = {b: min(blocks, key=lambda name: times[name][b])
+                              for b in SMALL_BUCKETS}
 
     def relative(per_bucket):
         return sum(times[per_bucket[b]][b] / min(t[b] for t in times.values())
