@@ -10,14 +10,15 @@ $SPECDEC_CACHE, default ~/.cache/megatron_specdec). The entry names the CPU mode
 flags, core and thread counts, torch version and the built kernel; an entry whose machine
 differs from this one (a copied cache, a new torch or kernel) is refused and measured again.
 
-Rows 1..INVARIANT_ROWS (a decode step and a chain verify over k+1 <= 16 tokens) take ONE
-product per shape, whatever their number: a verify forward then computes each row as a plain
-step does. The skinny op (csrc/skinny_gemm.cpp) is row-invariant bitwise, so with it
-speculative output equals greedy by construction; it is kept unless another product is more
-than INVARIANCE_MARGIN faster over those rows. Its two block widths (the ISA's block of weight
-rows, "skinny", and one row a block, "skinny_row") compute the same bits, so they count as one
-product for that choice and each row bucket takes the faster of the two. Wider calls (batches,
-trees) choose per bucket.
+Rows 1..INVARIANT_ROWS (a decode step and a chain verify over k+1 <= 16 tokens) take the skinny
+op (csrc/skinny_gemm.cpp) wherever it takes the dtype, however fast the others are: it is
+row-invariant bitwise, so a verify forward computes each row as a plain step does and
+speculative output equals greedy by construction. BLAS products are not (MKL's one-row and
+eight-row SGEMMs sum in different orders), so letting one win a few buckets, or a small matrix
+whose time is call overhead, breaks that on the machines where it wins. The op's two block
+widths (the ISA's block of weight rows, "skinny", and one row a block, "skinny_row") compute the
+same bits, so each row bucket takes the faster of the two. Other dtypes take one product for
+all of those rows, the best over the buckets. Wider calls (batches, trees) choose per bucket.
 """
 
 import hashlib
@@ -41,8 +42,7 @@ INVARIANT_ROWS = 16
 SMALL_BUCKETS = (1, 2, 4, 8, 16)
 WIDE_BUCKETS = (32, 64, 128)
 MAX_ROWS = WIDE_BUCKETS[-1]  # above: F.linear (a prefill), never measured
-INVARIANCE_MARGIN = 0.10
-FORMAT = 2
+FORMAT = 3
 # SPECDEC_LINEAR=<candidate> pins every shape to one product (benchmarks, comparisons).
 PIN_ENV = "SPECDEC_LINEAR"
 
@@ -168,28 +168,23 @@ def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
 
 def choose_small(times: dict) -> dict:
     """{bucket: product} for rows 1..INVARIANT_ROWS from time_candidates' result over (at
-    least) SMALL_BUCKETS: one product, the best mean of time / best time, the skinny op (its
-    faster block width per bucket) within its margin."""
+    least) SMALL_BUCKETS: the skinny op at its faster block width per bucket where it was
+    timed, else the one product with the best mean of time / best time."""
     blocks = [name for name in SKINNY_BLOCKS if name in times]
-    products = {name: {b: name for b in SMALL_BUCKETS} for name in times if name not in blocks}
     if blocks:
-        products["skinny"] = {b: min(blocks, key=lambda name: times[name][b])
-                              for b in SMALL_BUCKETS}
+        return {b: min(blocks, key=lambda name: times[name][b]) for b in SMALL_BUCKETS}
 
-    def relative(per_bucket):
-        return sum(times[per_bucket[b]][b] / min(t[b] for t in times.values())
+    def relative(name):
+        return sum(times[name][b] / min(t[b] for t in times.values())
                    for b in SMALL_BUCKETS) / len(SMALL_BUCKETS)
 
-    scores = {name: relative(per_bucket) for name, per_bucket in products.items()}
-    small = min(scores, key=scores.get)
-    if blocks and scores["skinny"] <= scores[small] * (1 + INVARIANCE_MARGIN):
-        small = "skinny"
-    return products[small]
+    best = min(times, key=relative)
+    return {b: best for b in SMALL_BUCKETS}
 
 
 def choose(times: dict) -> dict:
-    """{"small": {bucket: product} for rows 1..INVARIANT_ROWS (one product, or the skinny op's
-    block widths), "wide": {bucket: product}} from time_candidates' result (rows as ints)."""
+    """{"small": {bucket: product} for rows 1..INVARIANT_ROWS (the skinny op's block widths, or
+    one product), "wide": {bucket: product}} from time_candidates' result (rows as ints)."""
     wide = {b: min(times, key=lambda name: times[name][b]) for b in WIDE_BUCKETS}
     return {"small": choose_small(times), "wide": wide}
 
