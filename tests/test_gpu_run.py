@@ -12,6 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Slow: every check the script runs has its own default test (the CUDA files compile, the
+# acceptance bench, the training step, import, validate); this one proves the sequence, so it
+# runs with `make test-all` and before each GPU run (docs/guides/gpu.md).
+@pytest.mark.slow
 def test_gpu_run_dry_run(tmp_path):
     out = tmp_path / "gpu"
     proc = subprocess.run(["bash", "bench/gpu_run.sh", "--dry-run", "--out", str(out)], cwd=REPO,
