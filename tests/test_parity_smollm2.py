@@ -17,10 +17,9 @@ def reference(default_hf_dir, chat_prompt_ids):
     return hf_reference(default_hf_dir, chat_prompt_ids, NEW_TOKENS)
 
 
-# TP2xPP2 is slow: it composes the padded query groups of TP=2 and the stages of PP=2, each
-# checked on its own here.
 # The real weights at one layout by default; TP 2 and PP 2 parity is checked on random weights
-# (test_families at TP 2, test_reshard's losses at PP 2), so the real-weight layouts are slow.
+# (test_families at TP 2, test_reshard's losses at PP 2), so the real-weight layouts, TP2xPP2
+# among them, are slow.
 @pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
                                    pytest.param(1, 2, marks=pytest.mark.slow),
                                    pytest.param(2, 2, marks=pytest.mark.slow)])
