@@ -94,8 +94,8 @@ def main():
           + "  chosen")
     for model in args.models:
         for layer, (out_features, in_features) in SHAPES[model].items():
-            times = time_candidates(out_features, in_features, torch.float32, names,
-                                    tuple(args.rows), args.repeats)
+            times = time_candidates(out_features, in_features, torch.float32,
+                                    {rows: names for rows in args.rows}, args.repeats)
             bound_ms = out_features * in_features * 4 / (bandwidth * 1e9) * 1e3
             chosen = choose_small(times) if set(SMALL_BUCKETS) <= set(args.rows) else None
             key = f"{model}/{layer} {out_features}x{in_features}"

@@ -50,13 +50,16 @@ def choice_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(linear_kernels.PIN_ENV, raising=False)
     measured = []
 
-    def fake_times(out_features, in_features, dtype, names, buckets):
+    def fake_times(out_features, in_features, dtype, plan):
         measured.append((out_features, in_features))
         # The skinny op's one-row blocks faster at 1 row, its ISA blocks at every other count;
         # f_linear as fast as the faster of the two, weight_left slower at every count.
-        return {name: {b: (2.0 if name == "weight_left" or (name, b == 1) in
-                           (("skinny", True), ("skinny_row", False)) else 1.0) for b in buckets}
-                for name in names}
+        times = {}
+        for b, names in plan.items():
+            for name in names:
+                times.setdefault(name, {})[b] = 2.0 if name == "weight_left" or (name, b == 1) in (
+                    ("skinny", True), ("skinny_row", False)) else 1.0
+        return times
 
     monkeypatch.setattr(linear_kernels, "time_candidates", fake_times)
     linear_kernels.reset()

@@ -141,17 +141,18 @@ def _l3_bytes() -> int:
         return 64 << 20
 
 
-def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
+def time_candidates(out_features: int, in_features: int, dtype, plan: dict,
                     repeats: int = 5, max_copies: int = 64) -> dict:
-    """{name: {rows: ms a call}}: the best of `repeats` passes over distinct weight copies
-    (together at least twice the L3, so they stream from memory), candidates interleaved so
-    that other work on the machine falls on all of them alike."""
+    """{name: {rows: ms a call}} for the candidates `plan` ({rows: names}) times at each row
+    count: the best of `repeats` passes over distinct weight copies (together at least twice
+    the L3, so they stream from memory), candidates interleaved so that other work on the
+    machine falls on all of them alike."""
     weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
     copies = max(1, min(max_copies, math.ceil(2 * _l3_bytes() / max(1, weight_bytes))))
     weights = torch.empty(copies, out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05)
-    best = {name: {} for name in names}
+    best = {}
     with torch.no_grad():
-        for rows in buckets:
+        for rows, names in plan.items():
             x = torch.randn(rows, in_features).to(dtype)
             for name in names:
                 CANDIDATES[name](x, weights[0])  # first call: allocations, dispatch
@@ -162,7 +163,8 @@ def time_candidates(out_features: int, in_features: int, dtype, names, buckets,
                     for w in weights:
                         fn(x, w)
                     ms = (time.perf_counter() - start) * 1e3 / copies
-                    best[name][rows] = min(best[name].get(rows, math.inf), ms)
+                    per_rows = best.setdefault(name, {})
+                    per_rows[rows] = min(per_rows.get(rows, math.inf), ms)
     return best
 
 
@@ -234,8 +236,10 @@ class KernelChoice:
         small = found.get("small") if isinstance(found, dict) else None
         if (not isinstance(small, dict) or set(small) != {str(b) for b in SMALL_BUCKETS}
                 or not set(small.values()) <= set(names)):
-            times = time_candidates(out_features, in_features, dtype, names,
-                                    SMALL_BUCKETS + WIDE_BUCKETS)
+            # Rows 1-16 take the skinny op whatever the others time: only its widths are timed.
+            small_names = tuple(name for name in names if name in SKINNY_BLOCKS) or names
+            plan = {**{b: small_names for b in SMALL_BUCKETS}, **{b: names for b in WIDE_BUCKETS}}
+            times = time_candidates(out_features, in_features, dtype, plan)
             chosen = choose(times)
             found = {part: {str(b): name for b, name in per_bucket.items()}
                      for part, per_bucket in chosen.items()}
