@@ -41,8 +41,11 @@ SHAPES = {
 
 def read_bandwidth_gbs(mib: int = 256, repeats: int = 7) -> float:
     """GB/s of a sum over `mib` MiB of float32 on torch's threads (best of `repeats`): the
-    streaming read a batch-1 decode step is bound by."""
-    data = torch.ones(mib * (1 << 20) // 4)
+    streaming read a batch-1 decode step is bound by, on memory placed as the decoding
+    weights are (models/weight_memory.py: huge pages where the kernel grants them)."""
+    from megatron_specdec.models.weight_memory import huge_page_empty
+
+    data = huge_page_empty(mib * (1 << 20) // 4).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

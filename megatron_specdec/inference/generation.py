@@ -36,7 +36,9 @@ class StageRunner:
                  capture_ids=(), capture_final: bool = False):
         from megatron_specdec.models.layers.decode_attention import DecodeCache
         from megatron_specdec.models.layers.decode_layer import fused_norm
+        from megatron_specdec.models.weight_memory import place_weights
 
+        place_weights(model)
         self.model = model
         self.vocab_size = vocab_size
         self.context = DecodeCache(batch_size, max_length)

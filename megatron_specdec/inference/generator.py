@@ -54,6 +54,7 @@ from megatron_specdec.inference.draft_policy import DraftPolicy
 from megatron_specdec.inference.generation import left_pad
 from megatron_specdec.inference.sampling import Sampling, TypicalAcceptance
 from megatron_specdec.inference.tree import TreeSpec, ancestors, verify_layout
+from megatron_specdec.models.weight_memory import place_weights
 
 
 @dataclass
@@ -149,6 +150,7 @@ class SpeculativeGenerator:
                  tree: TreeSpec = None, policy="adaptive", drafter_kind: str = None,
                  draft_model=None, typical: TypicalAcceptance = None,
                  prompt_bucket: Optional[int] = None):
+        place_weights(model)  # base and draft weights as one stream (StageRunner: the base)
         self.model = model
         self.prompt_bucket = prompt_bucket
         self.k = (default_num_draft_tokens(model) if num_draft_tokens is None
