@@ -169,13 +169,29 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* query, const f
   if (t < seen) store_tail(exp8(_mm256_sub_ps(load_tail(scores + t, seen - t), shift)), scores + t, seen - t);
   float total = 0.0f;
   for (t = 0; t < seen; ++t) total += scores[t];
-  std::fill(out, out + d, 0.0f);
-  for (t = 0; t < seen; ++t) {
-    const __m256 w = _mm256_set1_ps(scores[t]);
-    const float* v = values + t * value_stride;
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8) _mm256_storeu_ps(out + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j), _mm256_loadu_ps(out + j)));
-    for (; j < d; ++j) out[j] = std::fma(scores[t], v[j], out[j]);
+  // Each output element sums its values in slot order; 64 columns at a time stay in registers
+  // over the slots (through memory, a verify's attention was bound by store-to-load latency).
+  int64_t j = 0;
+  for (; j + 8 <= full; j += 64) {
+    const int64_t n = std::min<int64_t>(8, (full - j) / 8);
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (t = 0; t < seen; ++t) {
+      const __m256 w = _mm256_set1_ps(scores[t]);
+      const float* v = values + t * value_stride + j;
+      if (n == 8) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      } else {
+        for (int c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      }
+    }
+    for (int c = 0; c < n; ++c) _mm256_storeu_ps(out + j + 8 * c, acc[c]);
+  }
+  for (j = full; j < d; ++j) {
+    float acc = 0.0f;
+    for (t = 0; t < seen; ++t) acc = std::fma(scores[t], values[t * value_stride + j], acc);
+    out[j] = acc;
   }
   const float inv = 1.0f / total;
   for (int64_t j = 0; j < d; ++j) out[j] *= inv;
@@ -222,6 +238,76 @@ at::Tensor rows_of(const at::Tensor& x, const char* op) {
 
 }  // namespace
 
+void rms_norm_rows(const float* in, const float* weight, float eps, int64_t h, float* out, int64_t begin,
+                   int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* row = in + r * h;
+    const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + eps);
+    for (int64_t j = 0; j < h; ++j) out[r * h + j] = (row[j] * inv) * weight[j];
+  }
+}
+
+void silu_mul_span(const float* gate, const float* up, float* out, int64_t n) { silu_mul_row(gate, up, out, n); }
+
+ChainAttention::ChainAttention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& keys, const at::Tensor& values, int64_t first, int64_t heads,
+                               double scale)
+    : first(first), heads(heads), scale(static_cast<float>(scale)) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes(),
+              "chain_attention: keys and values must be one sequence's cache [L, 1, groups, D], got ",
+              keys.sizes(), " and ", values.sizes());
+  groups = keys.size(2);
+  d = keys.size(3);
+  const int64_t slots = keys.size(0);
+  for (const at::Tensor* t : {&qkv, &cos, &sin, &keys, &values}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "chain_attention: tensors must be float32, got ",
+                t->scalar_type());
+  }
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 && values.stride(2) == d,
+              "chain_attention: each cache slot's [groups, D] must be contiguous");
+  TORCH_CHECK(heads > 0 && heads % groups == 0, "chain_attention: heads (", heads,
+              ") must be a multiple of the cache's groups (", groups, ")");
+  per_group = heads / groups;
+  width = (per_group + 2) * d;
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == groups * width,
+              "chain_attention: qkv must be [s, 1, ", groups * width, "], got ", qkv.sizes());
+  s = qkv.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == s && cos.sizes() == sin.sizes() && cos.size(1) <= d &&
+                  cos.size(1) % 2 == 0,
+              "chain_attention: cos and sin must be [", s, ", R] with R even and <= ", d, ", got ", cos.sizes(),
+              " and ", sin.sizes());
+  TORCH_CHECK(first >= 0 && first + s <= slots, "chain_attention: slots ", first, "..", first + s - 1,
+              " do not fit a cache of ", slots);
+  r = cos.size(1);
+  qkv_ = qkv.contiguous();
+  cos_ = cos.contiguous();
+  sin_ = sin.contiguous();
+  key_cache = keys.data_ptr<float>();
+  value_cache = values.data_ptr<float>();
+  key_stride = keys.stride(0);
+  value_stride = values.stride(0);
+}
+
+void ChainAttention::write_slot(int64_t item) const {
+  const int64_t i = item / groups, g = item % groups;
+  const float* group = qkv_.data_ptr<float>() + (i * groups + g) * width;
+  rotate(group + per_group * d, cos_.data_ptr<float>() + i * r, sin_.data_ptr<float>() + i * r, r, d,
+         key_cache + (first + i) * key_stride + g * d);
+  std::copy(group + (per_group + 1) * d, group + (per_group + 2) * d, value_cache + (first + i) * value_stride + g * d);
+}
+
+void ChainAttention::attend_task(int64_t task, float* scratch, float* out) const {
+  const int64_t i = task / heads, h = task % heads;
+  const int64_t g = h / per_group, p = h % per_group;
+  float* query = scratch;
+  rotate(qkv_.data_ptr<float>() + (i * groups + g) * width + p * d, cos_.data_ptr<float>() + i * r,
+         sin_.data_ptr<float>() + i * r, r, d, query);
+  attend(query, key_cache + g * d, key_stride, value_cache + g * d, value_stride, first + i + 1, d, scale,
+         scratch + d, out + i * heads * d + h * d);
+}
+
+int64_t ChainAttention::task_flops() const { return 2 * (first + s) * d; }
+
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t h = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == at::kFloat,
@@ -229,17 +315,10 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const at::Tensor rows = rows_of(x, "rms_norm");
   const at::Tensor w = weight.contiguous();
   at::Tensor y = at::empty_like(rows);
-  const float* in = rows.data_ptr<float>();
-  const float* g = w.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, rows.size(0), std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, h)),
                    [&](int64_t begin, int64_t end) {
-                     for (int64_t r = begin; r < end; ++r) {
-                       const float* row = in + r * h;
-                       const float inv = 1.0f / std::sqrt(dot(row, row, h) / static_cast<float>(h) + epsilon);
-                       for (int64_t j = 0; j < h; ++j) out[r * h + j] = (row[j] * inv) * g[j];
-                     }
+                     rms_norm_rows(rows.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), h,
+                                   y.data_ptr<float>(), begin, end);
                    });
   return y.view(x.sizes());
 }
@@ -267,84 +346,17 @@ at::Tensor silu_mul_cpu(const at::Tensor& x) {
 at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& keys, const at::Tensor& values, int64_t first,
                                int64_t heads, double scale) {
-  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes(),
-              "chain_attention: keys and values must be one sequence's cache [L, 1, groups, D], got ",
-              keys.sizes(), " and ", values.sizes());
-  const int64_t groups = keys.size(2), d = keys.size(3), slots = keys.size(0);
-  for (const at::Tensor* t : {&qkv, &cos, &sin, &keys, &values}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "chain_attention: tensors must be float32, got ",
-                t->scalar_type());
-  }
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 && values.stride(2) == d,
-              "chain_attention: each cache slot's [groups, D] must be contiguous");
-  TORCH_CHECK(heads > 0 && heads % groups == 0, "chain_attention: heads (", heads,
-              ") must be a multiple of the cache's groups (", groups, ")");
-  const int64_t per_group = heads / groups, width = (per_group + 2) * d;
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == 1 && qkv.size(2) == groups * width,
-              "chain_attention: qkv must be [s, 1, ", groups * width, "], got ", qkv.sizes());
-  const int64_t s = qkv.size(0);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == s && cos.sizes() == sin.sizes() && cos.size(1) <= d &&
-                  cos.size(1) % 2 == 0,
-              "chain_attention: cos and sin must be [", s, ", R] with R even and <= ", d, ", got ", cos.sizes(),
-              " and ", sin.sizes());
-  TORCH_CHECK(first >= 0 && first + s <= slots, "chain_attention: slots ", first, "..", first + s - 1,
-              " do not fit a cache of ", slots);
-  const int64_t r = cos.size(1);
-  const at::Tensor in = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous();
-  const float* q_in = in.data_ptr<float>();
-  const float* cs = c.data_ptr<float>();
-  const float* ss = sn.data_ptr<float>();
-  float* key_cache = keys.data_ptr<float>();
-  float* value_cache = values.data_ptr<float>();
-  const int64_t key_stride = keys.stride(0), value_stride = values.stride(0);
-
+  const ChainAttention attention(qkv, cos, sin, keys, values, first, heads, scale);
   // The new tokens' keys (rotated) and values into their slots.
-  for (int64_t i = 0; i < s; ++i) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* group = q_in + (i * groups + g) * width;
-      rotate(group + per_group * d, cs + i * r, ss + i * r, r, d, key_cache + (first + i) * key_stride + g * d);
-      std::copy(group + (per_group + 1) * d, group + (per_group + 2) * d,
-                value_cache + (first + i) * value_stride + g * d);
-    }
-  }
-  at::Tensor y = at::empty({s, 1, heads * d}, qkv.options());
+  for (int64_t item = 0; item < attention.s * attention.groups; ++item) attention.write_slot(item);
+  at::Tensor y = at::empty({attention.s, 1, heads * attention.d}, qkv.options());
   float* out = y.data_ptr<float>();
-  const float softmax_scale = static_cast<float>(scale);
-  const int64_t tasks = s * heads;
-  const int64_t per_task = 2 * (first + s) * d;
-  at::parallel_for(0, tasks, std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, per_task)),
+  at::parallel_for(0, attention.s * heads, std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, attention.task_flops())),
                    [&](int64_t begin, int64_t end) {
-                     std::vector<float> query(d), scores(first + s);
-                     for (int64_t task = begin; task < end; ++task) {
-                       const int64_t i = task / heads, h = task % heads;
-                       const int64_t g = h / per_group, p = h % per_group;
-                       rotate(q_in + (i * groups + g) * width + p * d, cs + i * r, ss + i * r, r, d, query.data());
-                       attend(query.data(), key_cache + g * d, key_stride, value_cache + g * d, value_stride,
-                              first + i + 1, d, softmax_scale, scores.data(),
-                              out + i * heads * d + h * d);
-                     }
+                     std::vector<float> scratch(attention.scratch_size());
+                     for (int64_t task = begin; task < end; ++task) attention.attend_task(task, scratch.data(), out);
                    });
   return y;
-}
-
-at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
-                            const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
-                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                            const at::Tensor& values, int64_t first, int64_t heads, double scale,
-                            const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
-                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight,
-                            at::IntArrayRef block_rows) {
-  TORCH_CHECK(block_rows.size() == 4, "decode_layer: block_rows must hold 4 widths (QKV, output, fc1, fc2), got ",
-              block_rows.size());
-  at::Tensor qkv = skinny_linear_cpu(rms_norm_cpu(hidden, input_norm, input_eps), qkv_weight, block_rows[0]);
-  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
-  at::Tensor mid = skinny_linear_cpu(chain_attention_cpu(qkv, cos, sin, keys, values, first, heads, scale),
-                                     proj_weight, block_rows[1]);
-  mid.add_(hidden);
-  at::Tensor out = skinny_linear_cpu(
-      silu_mul_cpu(skinny_linear_cpu(rms_norm_cpu(mid, mlp_norm, mlp_eps), fc1_weight, block_rows[2])),
-      fc2_weight, block_rows[3]);
-  return out.add_(mid);
 }
 
 }  // namespace specdec

@@ -29,6 +29,38 @@ at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, con
 // SiLU, fc2 product + residual. The same kernels in the same order as those ops called one by
 // one, so bitwise their result, without a dispatch and a Python call per op. block_rows: the
 // skinny GEMM's block width for the QKV, output, fc1 and fc2 products.
+// The ops' pieces on the calling thread, for decode_layer_cpu's one parallel region (each piece
+// with its op's arithmetic, so a share computes bitwise what the op computes there).
+
+// Rows [begin, end) of rms_norm over h features: out = in / sqrt(mean(in^2) + eps) * weight.
+void rms_norm_rows(const float* in, const float* weight, float eps, int64_t h, float* out, int64_t begin,
+                   int64_t end);
+
+// out[j] = silu(gate[j]) * up[j] for j < n (silu_mul's arithmetic at any offset).
+void silu_mul_span(const float* gate, const float* up, float* out, int64_t n);
+
+// chain_attention's operands, checked once (one line naming the tensor and what was expected):
+// the s new tokens' keys and values go to slots first .. first + s - 1 (write_slot, one item per
+// token and group), then each query-head pair attends (attend_task, into out [s, heads * D]).
+struct ChainAttention {
+  ChainAttention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                 const at::Tensor& values, int64_t first, int64_t heads, double scale);
+  void write_slot(int64_t item) const;
+  void attend_task(int64_t task, float* scratch, float* out) const;
+  // Multiply-adds of one task (a parallel grain's unit) and the floats of its scratch.
+  int64_t task_flops() const;
+  int64_t scratch_size() const { return d + first + s; }
+
+  int64_t s = 0, groups = 0, per_group = 0, d = 0, r = 0, width = 0, first, heads;
+  float scale;
+
+ private:
+  at::Tensor qkv_, cos_, sin_;
+  float* key_cache = nullptr;
+  float* value_cache = nullptr;
+  int64_t key_stride = 0, value_stride = 0;
+};
+
 at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
                             const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,

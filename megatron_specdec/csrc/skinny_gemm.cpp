@@ -263,34 +263,41 @@ void all_rows(int64_t rows, Operands o) {
   tail_rows<Isa, NB, Isa::kRows - 1>(rows - m, o);
 }
 
+// Output features [begin, end) on the calling thread: blocks of kOut weight rows from `begin`,
+// the remainder one row a block (the same per-element arithmetic whichever block a row is in).
 template <typename Isa, int kOut>
-void run(const Operands& all, int64_t rows, int64_t out_features) {
-  const int64_t blocks = (out_features + kOut - 1) / kOut;
-  // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kOut * all.k * 4));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kOut;
-      Operands o = all;
-      o.w = all.w + n * all.ldw;
-      o.y = all.y + n;
-      o.next = (b + 1 < end && n + 2 * kOut <= out_features) ? o.w + kOut * all.ldw : nullptr;
-      if (n + kOut <= out_features) {
-        all_rows<Isa, kOut>(rows, o);
-        continue;
-      }
-      for (int64_t j = n; j < out_features; ++j, o.w += all.ldw, ++o.y) all_rows<Isa, 1>(rows, o);
+void run_range(const Operands& all, int64_t rows, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; n += kOut) {
+    Operands o = all;
+    o.w = all.w + n * all.ldw;
+    o.y = all.y + n;
+    o.next = n + 2 * kOut <= end ? o.w + kOut * all.ldw : nullptr;
+    if (n + kOut <= end) {
+      all_rows<Isa, kOut>(rows, o);
+      continue;
     }
-  });
+    for (int64_t j = n; j < end; ++j, o.w += all.ldw, ++o.y) all_rows<Isa, 1>(rows, o);
+  }
+}
+
+template <typename Isa>
+void run_range(const Operands& all, int64_t rows, int64_t begin, int64_t end, int64_t block_rows) {
+  if (block_rows == 1) {
+    run_range<Isa, 1>(all, rows, begin, end);
+  } else {
+    run_range<Isa, Isa::kOut>(all, rows, begin, end);
+  }
 }
 
 template <typename Isa>
 void run(const Operands& all, int64_t rows, int64_t out_features, int64_t block_rows) {
-  if (block_rows == 1) {
-    run<Isa, 1>(all, rows, out_features);
-  } else {
-    run<Isa, Isa::kOut>(all, rows, out_features);
-  }
+  const int64_t width = block_rows == 1 ? 1 : Isa::kOut;
+  const int64_t blocks = (out_features + width - 1) / width;
+  // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width * all.k * 4));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    run_range<Isa>(all, rows, begin * width, std::min(end * width, out_features), block_rows);
+  });
 }
 
 enum class Path { kScalar, kAvx2, kAvx512 };
@@ -338,6 +345,34 @@ Path path() {
 }  // namespace
 
 std::string skinny_linear_isa() { return name(path()); }
+
+int64_t skinny_block_width(int64_t block_rows) {
+  if (block_rows == 1) return 1;
+  switch (path()) {
+#ifdef SPECDEC_X86
+    case Path::kAvx512:
+      return Avx512::kOut;
+    case Path::kAvx2:
+      return Avx2::kOut;
+#endif
+    default:
+      return Scalar::kOut;
+  }
+}
+
+void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
+  const Operands o{a.x, a.ldx, a.w, a.ldw, a.k, a.y, a.ldy};
+  switch (path()) {
+#ifdef SPECDEC_X86
+    case Path::kAvx512:
+      return run_range<Avx512>(o, a.rows, begin, end, block_rows);
+    case Path::kAvx2:
+      return run_range<Avx2>(o, a.rows, begin, end, block_rows);
+#endif
+    default:
+      return run_range<Scalar>(o, a.rows, begin, end, block_rows);
+  }
+}
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows) {
   TORCH_CHECK(block_rows == 0 || block_rows == 1, "skinny_linear: block_rows must be 0 (the ISA's block) or 1 ",

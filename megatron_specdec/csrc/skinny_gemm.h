@@ -20,4 +20,23 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
 // The instruction-set path skinny_linear_cpu takes on this CPU: "avx512", "avx2" or "scalar".
 std::string skinny_linear_isa();
 
+// A product's raw operands: y[r, n] = x[r, :] . w[n, :] for r < rows, over k in-features.
+struct SkinnyOperands {
+  const float* x;
+  int64_t ldx;
+  int64_t rows;
+  const float* w;
+  int64_t ldw;
+  int64_t k;
+  float* y;
+  int64_t ldy;
+};
+
+// The weight rows one block streams at `block_rows` (0 or 1, as skinny_linear_cpu takes it).
+int64_t skinny_block_width(int64_t block_rows);
+
+// Output features [begin, end) of the product on the calling thread: one thread's share of a
+// product that a caller splits over its own threads, each element bitwise skinny_linear_cpu's.
+void skinny_share(const SkinnyOperands& operands, int64_t begin, int64_t end, int64_t block_rows);
+
 }  // namespace specdec
