@@ -145,3 +145,43 @@ def test_chain_attention_bad_input_named_in_one_line():
         ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
     with pytest.raises(RuntimeError, match="silu_mul: the last dim of x must be even"):
         ops.silu_mul(torch.randn(2, 7))
+
+
+def test_decode_layers_bad_input_named_in_one_line():
+    """decode_layers checks its lists and each layer's tensors before any thread starts."""
+    h, f, d, groups, per = 64, 96, 16, 2, 2
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    weights = [torch.ones(h), rand(groups * (per + 2) * d, h), None, rand(h, groups * per * d),
+               torch.ones(h), rand(2 * f, h), rand(h, f)]
+    keys, values = torch.zeros(8, 1, groups, d), torch.zeros(8, 1, groups, d)
+    hidden, cos, sin = rand(2, 1, h), torch.ones(2, d), torch.zeros(2, d)
+
+    def call(**change):
+        args = dict(hidden=hidden, weights=weights, eps=[1e-6, 1e-6], keys=[keys], values=[values],
+                    first=0, blocks=[0, 0, 0, 0], capture=[])
+        args.update(change)
+        return ops.decode_layers(args["hidden"], args["weights"], args["eps"], cos, sin,
+                                 args["keys"], args["values"], args["first"], groups * per,
+                                 d ** -0.5, args["blocks"], args["capture"])
+
+    assert call()[0].shape == (2, 1, h)
+    cases = [
+        (dict(weights=weights[:6]), "weights must hold 7 per layer"),
+        (dict(eps=[1e-6]), "eps must hold 2 per layer"),
+        (dict(blocks=[0, 0, 0]), "block_rows must hold 4 widths per layer"),
+        (dict(blocks=[0, 2, 0, 0]), "block_rows must be 0"),
+        (dict(capture=[1]), "capture holds layer 1, expected 0 .. 0"),
+        (dict(hidden=rand(2, 2, h)), r"hidden must be float32 \[s, 1, H\]"),
+        (dict(weights=weights[:5] + [rand(2 * f + 1, h), weights[6]]), "fc1_weight must be"),
+        (dict(weights=weights[:3] + [rand(h, 7)] + weights[4:]), r"proj_weight must be float32 \[64, 64\]"),
+        (dict(weights=[None] + weights[1:]), "input_norm is required"),
+        (dict(first=7), "chain_attention: slots 7..8 do not fit a cache of 8"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RuntimeError, match=message) as info:
+            call(**change)
+        assert str(info.value).splitlines()[0].startswith(("decode_layer", "chain_attention"))

@@ -1,13 +1,13 @@
-// The whole decoding layer of a batch-1 chain in one parallel region (see decode_ops.h).
+// Decoding layers of a batch-1 chain in one parallel region (see decode_ops.h).
 //
 // Run as separate ops, each of a layer's four weight products forks and joins torch's threads,
-// and between them the norms and the attention run while no weight streams: in a SmolLM2 step
-// on 2 cores the 120 layer products streamed at ~80% of the read bandwidth, against ~95% for
-// the same bytes in one call (Intel Xeon with AMX). Here the threads stay in one region for
-// the whole layer, each taking its share of every piece, with a barrier wherever the next piece
-// reads all of the last; before it waits, a thread fetches the first lines of its share of the
-// next product into L2, so that the stream does not start cold after the barrier. Every element
-// is computed by its op's own arithmetic, so the output is bitwise the ops' one by one.
+// and between them the norms and the attention run while no weight streams; called a layer at a
+// time from Python, a SmolLM2 step spent ~2 ms of its ~25 in the calls (Intel Xeon with AMX, 2
+// cores). Here the threads stay in one region for a run of layers, each taking its share of
+// every piece, with a barrier wherever the next piece reads all of the last; before it waits, a
+// thread fetches the first lines of its share of the next product (the next layer's QKV after
+// fc2) into L2, so that the stream does not start cold after the barrier. Every element is
+// computed by its op's own arithmetic, so the output is bitwise the ops' one by one.
 #include "decode_ops.h"
 
 #include "skinny_gemm.h"
@@ -44,6 +44,9 @@ void prefetch_rows(const float* w, int64_t ldw, int64_t k, int64_t begin, int64_
   }
 }
 
+// input_norm, qkv_weight, qkv_bias (or None), proj_weight, mlp_norm, fc1_weight, fc2_weight.
+constexpr int64_t kWeightsPerLayer = 7;
+
 at::Tensor weight_of(const at::Tensor& w, int64_t out, int64_t in, const char* name) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
               "decode_layer: ", name, " must be float32 [", out, ", ", in, "], got ", w.scalar_type(), " ",
@@ -57,114 +60,182 @@ at::Tensor norm_of(const at::Tensor& w, int64_t h, const char* name) {
   return w.contiguous();
 }
 
+
+// One layer's checked operands and buffers. `run` is called by every thread of the region.
+class LayerPlan {
+ public:
+  LayerPlan(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights, int64_t at,
+            double input_eps, double mlp_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+            const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows)
+      : s_(hidden.size(0)),
+        h_(hidden.size(2)),
+        x_(hidden.contiguous()),
+        norm1_(norm_of(required(weights, at, "input_norm"), h_, "input_norm")),
+        qkv_w_(required(weights, at + 1, "qkv_weight")),
+        qkv_(at::empty({s_, 1, qkv_w_.size(0)}, x_.options())),
+        attention_(qkv_, cos, sin, keys, values, first, heads, scale),
+        eps1_(static_cast<float>(input_eps)),
+        eps2_(static_cast<float>(mlp_eps)) {
+    const int64_t qkv_out = qkv_w_.size(0), att_width = heads * attention_.d;
+    qkv_w_ = weight_of(qkv_w_, qkv_out, h_, "qkv_weight");
+    const c10::optional<at::Tensor> bias = weights.get(at + 2);
+    if (bias.has_value()) bias_ = norm_of(*bias, qkv_out, "qkv_bias");
+    const at::Tensor proj = weight_of(required(weights, at + 3, "proj_weight"), h_, att_width, "proj_weight");
+    norm2_ = norm_of(required(weights, at + 4, "mlp_norm"), h_, "mlp_norm");
+    const at::Tensor fc1_in = required(weights, at + 5, "fc1_weight");
+    TORCH_CHECK(fc1_in.dim() == 2 && fc1_in.size(0) % 2 == 0,
+                "decode_layer: fc1_weight must be [2F, H] (gate and up rows), got ", fc1_in.sizes());
+    f_ = fc1_in.size(0) / 2;
+    fc1_w_ = weight_of(fc1_in, 2 * f_, h_, "fc1_weight");
+    fc2_w_ = weight_of(required(weights, at + 6, "fc2_weight"), h_, f_, "fc2_weight");
+    proj_w_ = proj;
+    const auto options = x_.options();
+    normed_ = at::empty({s_, h_}, options);
+    att_ = at::empty({s_, att_width}, options);
+    mid_ = at::empty({s_, h_}, options);
+    normed2_ = at::empty({s_, h_}, options);
+    up_ = at::empty({s_, 2 * f_}, options);
+    act_ = at::empty({s_, f_}, options);
+    out_ = at::empty({s_, 1, h_}, options);
+    qkv_op_ = {normed_.data_ptr<float>(), h_, s_, qkv_w_.data_ptr<float>(), h_, h_, qkv_.data_ptr<float>(), qkv_out};
+    proj_op_ = {att_.data_ptr<float>(), att_width, s_, proj_w_.data_ptr<float>(), att_width, att_width,
+                mid_.data_ptr<float>(), h_};
+    fc1_op_ = {normed2_.data_ptr<float>(), h_, s_, fc1_w_.data_ptr<float>(), h_, h_, up_.data_ptr<float>(), 2 * f_};
+    fc2_op_ = {act_.data_ptr<float>(), f_, s_, fc2_w_.data_ptr<float>(), f_, f_, out_.data_ptr<float>(), h_};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(block_rows[i] == 0 || block_rows[i] == 1,
+                  "decode_layer: block_rows must be 0 (the ISA's block) or 1, got ", block_rows[i]);
+      blocks_[i] = block_rows[i];
+      width_[i] = skinny_block_width(block_rows[i]);
+    }
+  }
+
+  const at::Tensor& output() const { return out_; }
+  int64_t scratch_size() const { return attention_.scratch_size(); }
+
+  // Thread t of n_threads: its share of the layer; then, before the last wait, the first lines
+  // of its share of `next`'s QKV product (none: nullptr).
+  void run(int t, int n_threads, float* scratch, const LayerPlan* next) const {
+    const float* x = x_.data_ptr<float>();
+    const auto rows = share(s_, 1, t, n_threads);
+    rms_norm_rows(x, norm1_.data_ptr<float>(), eps1_, h_, normed_.data_ptr<float>(), rows.first, rows.second);
+#pragma omp barrier
+    const int64_t qkv_out = qkv_op_.ldy;
+    const auto q = share(qkv_out, width_[0], t, n_threads);
+    skinny_share(qkv_op_, q.first, q.second, blocks_[0]);
+    if (bias_.defined()) {
+      const float* bias = bias_.data_ptr<float>();
+      for (int64_t r = 0; r < s_; ++r) {
+        for (int64_t j = q.first; j < q.second; ++j) qkv_op_.y[r * qkv_out + j] += bias[j];
+      }
+    }
+    const auto o = share(h_, width_[1], t, n_threads);
+    prefetch_rows(proj_op_.w, proj_op_.ldw, proj_op_.k, o.first, o.second);
+#pragma omp barrier
+    const auto slots = share(s_ * attention_.groups, 1, t, n_threads);
+    for (int64_t item = slots.first; item < slots.second; ++item) attention_.write_slot(item);
+#pragma omp barrier
+    const auto tasks = share(s_ * attention_.heads, 1, t, n_threads);
+    for (int64_t task = tasks.first; task < tasks.second; ++task) attention_.attend_task(task, scratch, att_.data_ptr<float>());
+#pragma omp barrier
+    skinny_share(proj_op_, o.first, o.second, blocks_[1]);
+    float* mid = mid_.data_ptr<float>();
+    for (int64_t r = 0; r < s_; ++r) {
+      for (int64_t j = o.first; j < o.second; ++j) mid[r * h_ + j] += x[r * h_ + j];
+    }
+    const auto g = share(f_, width_[2], t, n_threads);
+    prefetch_rows(fc1_op_.w, h_, h_, g.first, g.second);
+#pragma omp barrier
+    rms_norm_rows(mid, norm2_.data_ptr<float>(), eps2_, h_, normed2_.data_ptr<float>(), rows.first, rows.second);
+#pragma omp barrier
+    // A thread's gate rows and their up rows: the gated SiLU of its columns needs no barrier.
+    skinny_share(fc1_op_, g.first, g.second, blocks_[2]);
+    skinny_share(fc1_op_, f_ + g.first, f_ + g.second, blocks_[2]);
+    const float* up = up_.data_ptr<float>();
+    float* act = act_.data_ptr<float>();
+    for (int64_t r = 0; r < s_; ++r) {
+      silu_mul_span(up + r * 2 * f_ + g.first, up + r * 2 * f_ + f_ + g.first, act + r * f_ + g.first,
+                    g.second - g.first);
+    }
+    const auto d = share(h_, width_[3], t, n_threads);
+    prefetch_rows(fc2_op_.w, f_, f_, d.first, d.second);
+#pragma omp barrier
+    skinny_share(fc2_op_, d.first, d.second, blocks_[3]);
+    float* out = out_.data_ptr<float>();
+    for (int64_t r = 0; r < s_; ++r) {
+      for (int64_t j = d.first; j < d.second; ++j) out[r * h_ + j] += mid[r * h_ + j];
+    }
+    if (next != nullptr) {
+      const auto nq = share(next->qkv_op_.ldy, next->width_[0], t, n_threads);
+      prefetch_rows(next->qkv_op_.w, next->h_, next->h_, nq.first, nq.second);
+    }
+  }
+
+ private:
+  static at::Tensor required(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, const char* name) {
+    const c10::optional<at::Tensor> w = weights.get(i);
+    TORCH_CHECK(w.has_value(), "decode_layer: ", name, " is required, got None");
+    return *w;
+  }
+
+  int64_t s_, h_, f_ = 0;
+  at::Tensor x_, norm1_, qkv_w_, qkv_;
+  ChainAttention attention_;
+  float eps1_, eps2_;
+  at::Tensor bias_, proj_w_, norm2_, fc1_w_, fc2_w_;
+  at::Tensor normed_, att_, mid_, normed2_, up_, act_, out_;
+  SkinnyOperands qkv_op_{}, proj_op_{}, fc1_op_{}, fc2_op_{};
+  int64_t blocks_[4] = {}, width_[4] = {};
+};
+
 }  // namespace
 
-at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
-                            const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
-                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                            const at::Tensor& values, int64_t first, int64_t heads, double scale,
-                            const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
-                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight,
-                            at::IntArrayRef block_rows) {
-  TORCH_CHECK(block_rows.size() == 4, "decode_layer: block_rows must hold 4 widths (QKV, output, fc1, fc2), got ",
-              block_rows.size());
-  for (int64_t b : block_rows) {
-    TORCH_CHECK(b == 0 || b == 1, "decode_layer: block_rows must be 0 (the ISA's block) or 1, got ", b);
+std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
+                                          at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                                          at::TensorList keys, at::TensorList values, int64_t first, int64_t heads,
+                                          double scale, at::IntArrayRef block_rows, at::IntArrayRef capture) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(values.size()) == layers,
+              "decode_layers: keys and values must hold one cache per layer (at least one), got ", keys.size(),
+              " and ", values.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
+              "decode_layers: weights must hold ", kWeightsPerLayer,
+              " per layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight, fc2_weight), "
+              "got ", weights.size(), " for ", layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * layers, "decode_layers: eps must hold 2 per layer, got ",
+              eps.size(), " for ", layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(block_rows.size()) == 4 * layers,
+              "decode_layers: block_rows must hold 4 widths per layer (QKV, output, fc1, fc2), got ", block_rows.size(),
+              " for ", layers, " layers");
+  for (int64_t c : capture) {
+    TORCH_CHECK(c >= 0 && c < layers, "decode_layers: capture holds layer ", c, ", expected 0 .. ", layers - 1);
   }
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 3 && hidden.size(1) == 1,
-              "decode_layer: hidden must be float32 [s, 1, H] (one sequence's chain), got ", hidden.scalar_type(),
+              "decode_layers: hidden must be float32 [s, 1, H] (one sequence's chain), got ", hidden.scalar_type(),
               " ", hidden.sizes());
-  const int64_t s = hidden.size(0), h = hidden.size(2);
-  const int64_t qkv_out = qkv_weight.size(0), f2 = fc1_weight.size(0);
-  TORCH_CHECK(f2 % 2 == 0, "decode_layer: fc1_weight must hold gate and up rows (an even count), got ", f2);
-  const int64_t f = f2 / 2;
-  const at::Tensor x = hidden.contiguous();
-  const at::Tensor norm1 = norm_of(input_norm, h, "input_norm"), norm2 = norm_of(mlp_norm, h, "mlp_norm");
-  const at::Tensor wqkv = weight_of(qkv_weight, qkv_out, h, "qkv_weight");
-  const at::Tensor wfc1 = weight_of(fc1_weight, f2, h, "fc1_weight");
-  const at::Tensor wfc2 = weight_of(fc2_weight, h, f, "fc2_weight");
-  at::Tensor bias;
-  if (qkv_bias.has_value()) {
-    bias = norm_of(*qkv_bias, qkv_out, "qkv_bias");
+  std::vector<LayerPlan> plans;
+  plans.reserve(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    plans.emplace_back(i == 0 ? hidden : plans.back().output(), weights, kWeightsPerLayer * i, eps[2 * i],
+                       eps[2 * i + 1], cos, sin, keys[i], values[i], first, heads, scale, block_rows.data() + 4 * i);
   }
-  const auto options = x.options();
-  at::Tensor qkv = at::empty({s, 1, qkv_out}, options);
-  const ChainAttention attention(qkv, cos, sin, keys, values, first, heads, scale);
-  const int64_t att_width = heads * attention.d;
-  const at::Tensor wproj = weight_of(proj_weight, h, att_width, "proj_weight");
-  at::Tensor normed = at::empty({s, h}, options), att = at::empty({s, att_width}, options);
-  at::Tensor mid = at::empty({s, h}, options), normed2 = at::empty({s, h}, options);
-  at::Tensor up = at::empty({s, f2}, options), act = at::empty({s, f}, options);
-  at::Tensor out = at::empty({s, 1, h}, options);
-
-  const float* xp = x.data_ptr<float>();
-  float* normed_p = normed.data_ptr<float>();
-  float* qkv_p = qkv.data_ptr<float>();
-  float* att_p = att.data_ptr<float>();
-  float* mid_p = mid.data_ptr<float>();
-  float* normed2_p = normed2.data_ptr<float>();
-  float* up_p = up.data_ptr<float>();
-  float* act_p = act.data_ptr<float>();
-  float* out_p = out.data_ptr<float>();
-  const float* bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const SkinnyOperands qkv_op{normed_p, h, s, wqkv.data_ptr<float>(), h, h, qkv_p, qkv_out};
-  const SkinnyOperands proj_op{att_p, att_width, s, wproj.data_ptr<float>(), att_width, att_width, mid_p, h};
-  const SkinnyOperands fc1_op{normed2_p, h, s, wfc1.data_ptr<float>(), h, h, up_p, f2};
-  const SkinnyOperands fc2_op{act_p, f, s, wfc2.data_ptr<float>(), f, f, out_p, h};
-  int64_t width[4];
-  for (int i = 0; i < 4; ++i) width[i] = skinny_block_width(block_rows[i]);
-
+  int64_t scratch_size = 0;
+  for (const LayerPlan& plan : plans) scratch_size = std::max(scratch_size, plan.scratch_size());
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  std::vector<float> scratch(static_cast<size_t>(threads) * attention.scratch_size());
-  const float eps1 = static_cast<float>(input_eps), eps2 = static_cast<float>(mlp_eps);
+  std::vector<float> scratch(static_cast<size_t>(threads) * scratch_size);
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    const auto rows = share(s, 1, t, n_threads);
-    rms_norm_rows(xp, norm1.data_ptr<float>(), eps1, h, normed_p, rows.first, rows.second);
+    float* own = scratch.data() + static_cast<size_t>(t) * scratch_size;
+    for (int64_t i = 0; i < layers; ++i) {
+      plans[i].run(t, n_threads, own, i + 1 < layers ? &plans[i + 1] : nullptr);
 #pragma omp barrier
-    const auto q = share(qkv_out, width[0], t, n_threads);
-    skinny_share(qkv_op, q.first, q.second, block_rows[0]);
-    if (bias_p != nullptr) {
-      for (int64_t r = 0; r < s; ++r) {
-        for (int64_t j = q.first; j < q.second; ++j) qkv_p[r * qkv_out + j] += bias_p[j];
-      }
-    }
-    const auto o = share(h, width[1], t, n_threads);
-    prefetch_rows(proj_op.w, att_width, att_width, o.first, o.second);
-#pragma omp barrier
-    const auto slots = share(s * attention.groups, 1, t, n_threads);
-    for (int64_t item = slots.first; item < slots.second; ++item) attention.write_slot(item);
-#pragma omp barrier
-    const auto tasks = share(s * heads, 1, t, n_threads);
-    float* own = scratch.data() + static_cast<size_t>(t) * attention.scratch_size();
-    for (int64_t task = tasks.first; task < tasks.second; ++task) attention.attend_task(task, own, att_p);
-#pragma omp barrier
-    skinny_share(proj_op, o.first, o.second, block_rows[1]);
-    for (int64_t r = 0; r < s; ++r) {
-      for (int64_t j = o.first; j < o.second; ++j) mid_p[r * h + j] += xp[r * h + j];
-    }
-    const auto g = share(f, width[2], t, n_threads);
-    prefetch_rows(fc1_op.w, h, h, g.first, g.second);
-#pragma omp barrier
-    rms_norm_rows(mid_p, norm2.data_ptr<float>(), eps2, h, normed2_p, rows.first, rows.second);
-#pragma omp barrier
-    // A thread's gate rows and their up rows: the gated SiLU of its columns needs no barrier.
-    skinny_share(fc1_op, g.first, g.second, block_rows[2]);
-    skinny_share(fc1_op, f + g.first, f + g.second, block_rows[2]);
-    for (int64_t r = 0; r < s; ++r) {
-      silu_mul_span(up_p + r * f2 + g.first, up_p + r * f2 + f + g.first, act_p + r * f + g.first,
-                    g.second - g.first);
-    }
-    const auto d = share(h, width[3], t, n_threads);
-    prefetch_rows(fc2_op.w, f, f, d.first, d.second);
-#pragma omp barrier
-    skinny_share(fc2_op, d.first, d.second, block_rows[3]);
-    for (int64_t r = 0; r < s; ++r) {
-      for (int64_t j = d.first; j < d.second; ++j) out_p[r * h + j] += mid_p[r * h + j];
     }
   }
-  return out;
+  std::vector<at::Tensor> outputs;
+  for (int64_t c : capture) outputs.push_back(plans[c].output());
+  outputs.push_back(plans.back().output());
+  return outputs;
 }
 
 }  // namespace specdec

@@ -24,12 +24,7 @@ at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, con
                                const at::Tensor& keys, const at::Tensor& values, int64_t first,
                                int64_t heads, double scale);
 
-// A whole pre-norm decoder layer over a batch-1 causal chain (hidden [s, 1, H]): RMSNorm,
-// QKV product (+ bias), chain_attention, output product + residual, RMSNorm, fc1 product, gated
-// SiLU, fc2 product + residual. The same kernels in the same order as those ops called one by
-// one, so bitwise their result, without a dispatch and a Python call per op. block_rows: the
-// skinny GEMM's block width for the QKV, output, fc1 and fc2 products.
-// The ops' pieces on the calling thread, for decode_layer_cpu's one parallel region (each piece
+// The ops' pieces on the calling thread, for decode_layers_cpu's one parallel region (each piece
 // with its op's arithmetic, so a share computes bitwise what the op computes there).
 
 // Rows [begin, end) of rms_norm over h features: out = in / sqrt(mean(in^2) + eps) * weight.
@@ -61,12 +56,16 @@ struct ChainAttention {
   int64_t key_stride = 0, value_stride = 0;
 };
 
-at::Tensor decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
-                            const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_bias,
-                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                            const at::Tensor& values, int64_t first, int64_t heads, double scale,
-                            const at::Tensor& proj_weight, const at::Tensor& mlp_norm, double mlp_eps,
-                            const at::Tensor& fc1_weight, const at::Tensor& fc2_weight,
-                            at::IntArrayRef block_rows);
+// A run of decoding layers over one sequence's chain of s tokens (decode_layer.cpp): per layer,
+// rms_norm, the QKV product (+ bias), chain_attention, the output product + residual, rms_norm,
+// fc1, silu_mul, fc2 + residual, as the ops above compute them. hidden [s, 1, H]; weights: 7 a
+// layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight,
+// fc2_weight); eps: 2 a layer; keys/values: each layer's cache; block_rows: the skinny product's
+// width for each of a layer's 4 products. Returns the outputs of the layers in `capture`, then
+// the last layer's.
+std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
+                                          at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                                          at::TensorList keys, at::TensorList values, int64_t first, int64_t heads,
+                                          double scale, at::IntArrayRef block_rows, at::IntArrayRef capture);
 
 }  // namespace specdec

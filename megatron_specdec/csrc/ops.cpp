@@ -39,10 +39,8 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "chain_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int first, "
       "int heads, float scale) -> Tensor");
   m.def(
-      "decode_layer(Tensor hidden, Tensor input_norm, float input_eps, Tensor qkv_weight, Tensor? qkv_bias, "
-      "Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int first, int heads, float scale, "
-      "Tensor proj_weight, Tensor mlp_norm, float mlp_eps, Tensor fc1_weight, Tensor fc2_weight, "
-      "int[4] block_rows) -> Tensor");
+      "decode_layers(Tensor hidden, Tensor?[] weights, float[] eps, Tensor cos, Tensor sin, Tensor(a!)[] keys, "
+      "Tensor(b!)[] values, int first, int heads, float scale, int[] block_rows, int[] capture) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
@@ -56,5 +54,5 @@ TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("silu_mul", &specdec::silu_mul_cpu);
   m.impl("chain_attention", &specdec::chain_attention_cpu);
-  m.impl("decode_layer", &specdec::decode_layer_cpu);
+  m.impl("decode_layers", &specdec::decode_layers_cpu);
 }

@@ -96,11 +96,22 @@ class StageRunner:
 
     def _layers(self, hidden, mask):
         """This stage's decoder layers over the cache, recording the outputs named in
-        `capture_ids`. A decoding layer no hook watches runs its decode path directly."""
-        from megatron_specdec.models.layers.decode_layer import DecodeTransformerLayer
+        `capture_ids`. A decoding layer no hook watches runs its decode path directly; where
+        every layer runs it as the whole-layer op, they run as one op (decode_chain)."""
+        from megatron_specdec.models.layers.decode_layer import (
+            DecodeTransformerLayer,
+            decode_chain,
+        )
 
         self.captured = {}
-        for layer in self.model.decoder.layers:
+        layers = self.model.decoder.layers
+        if all(isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context)
+               and layer.whole(hidden, self.context) for layer in layers):
+            ids = [i for i, layer in enumerate(layers) if layer.layer_number - 1 in self.capture_ids]
+            *outputs, hidden = decode_chain(list(layers), hidden, self.context, ids)
+            self.captured = {layers[i].layer_number - 1: out for i, out in zip(ids, outputs)}
+            return hidden
+        for layer in layers:
             if isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context):
                 hidden = layer.decode(hidden, mask, self.context)
             else:

@@ -149,7 +149,7 @@ class DecodeTransformerLayer(TransformerLayer):
         part one of the ops above, every weight product the skinny op on this machine, one TP
         rank, and no bias but the QKV product's own."""
         attention, linears = self.self_attention, self.linears
-        return (all(self.fused) and attention.chain_op and op_available("decode_layer")
+        return (all(self.fused) and attention.chain_op and op_available("decode_layers")
                 and all(linear.tp_group.size() == 1 for linear in linears)
                 and all(linear.bias is None for linear in linears[1:])
                 and (linears[0].bias is None or not linears[0].skip_bias_add)
@@ -164,12 +164,16 @@ class DecodeTransformerLayer(TransformerLayer):
         product."""
         return {}
 
+    def whole(self, hidden_states, cache: DecodeCache) -> bool:
+        """Whether `decode` of `hidden_states` runs as the decode_layers op: a batch-1 chain
+        over a rotary cache, float32, a layer that takes it."""
+        return (cache.chain_start() is not None and cache.rotary is not None and self.layer_op
+                and hidden_states.dtype == torch.float32)
+
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
-        first = cache.chain_start()
-        if (first is not None and cache.rotary is not None and self.layer_op
-                and hidden_states.dtype == torch.float32):
-            return self._whole(hidden_states, cache, first)
+        if self.whole(hidden_states, cache):
+            return decode_chain([self], hidden_states, cache)[0]
         input_norm, mlp_norm, silu = self.fused
         out, bias = self.self_attention.decode(
             norm_decode(self.input_layernorm, hidden_states, input_norm), attention_mask, cache)
@@ -180,24 +184,51 @@ class DecodeTransformerLayer(TransformerLayer):
 
     @cached_property
     def op_weights(self) -> tuple:
-        """The decode_layer op's weights and epsilons, gathered once: fetched per call through
-        the submodules they cost ~20 us a layer, ~2% of a SmolLM2 step on 2 cores."""
+        """(weights, epsilons) the decode_layers op takes for this layer, gathered once:
+        fetched per call through the submodules they cost ~20 us a layer, ~2% of a SmolLM2
+        step on 2 cores."""
         attention, mlp = self.self_attention, self.mlp
         dtype = attention.linear_qkv.weight.dtype
-        return ((self.input_layernorm.weight, norm_eps(self.input_layernorm, dtype),
-                 attention.linear_qkv.weight, attention.linear_qkv.bias),
-                (attention.linear_proj.weight, self.pre_mlp_layernorm.weight,
-                 norm_eps(self.pre_mlp_layernorm, dtype), mlp.linear_fc1.weight,
-                 mlp.linear_fc2.weight))
+        return ([self.input_layernorm.weight, attention.linear_qkv.weight,
+                 attention.linear_qkv.bias, attention.linear_proj.weight,
+                 self.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight],
+                [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype)])
 
-    def _whole(self, hidden_states, cache: DecodeCache, first: int):
-        """`decode` of a batch-1 chain as one C++ op: the same kernels in the same order."""
-        rows = min(hidden_states.shape[0], INVARIANT_ROWS)
-        blocks = self.block_rows.get(rows)
-        if blocks is None:
-            blocks = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
-                                              for linear in self.linears]
-        before, after = self.op_weights
-        return torch.ops.megatron_specdec.decode_layer(
-            hidden_states, *before, *self.self_attention.chain_args(cache, first, hidden_states),
-            *after, blocks)
+    def blocks(self, rows: int) -> list:
+        """The skinny op's block width for each of the four products at `rows` rows."""
+        rows = min(rows, INVARIANT_ROWS)
+        found = self.block_rows.get(rows)
+        if found is None:
+            found = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
+                                             for linear in self.linears]
+        return found
+
+
+def decode_chain(layers, hidden_states, cache: DecodeCache, capture=()) -> list:
+    """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
+    `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
+    one decode_layers op, so the threads stay in one parallel region for the whole run. Layers
+    of differing head counts or softmax scales run one op each."""
+    first = cache.chain_start()
+    s = hidden_states.shape[0]
+    weights, eps, keys, values, blocks, shared = [], [], [], [], [], set()
+    for layer in layers:
+        cos, sin, key, value, _, heads, scale = layer.self_attention.chain_args(
+            cache, first, hidden_states)
+        shared.add((heads, scale))
+        layer_weights, layer_eps = layer.op_weights
+        weights += layer_weights
+        eps += layer_eps
+        keys.append(key)
+        values.append(value)
+        blocks += layer.blocks(s)
+    if len(shared) > 1:
+        captured = []
+        for i, layer in enumerate(layers):
+            hidden_states = decode_chain([layer], hidden_states, cache)[0]
+            if i in capture:
+                captured.append(hidden_states)
+        return captured + [hidden_states]
+    return torch.ops.megatron_specdec.decode_layers(
+        hidden_states, weights, eps, cos, sin, keys, values, first, heads, scale, blocks,
+        list(capture))
