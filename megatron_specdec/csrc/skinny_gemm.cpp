@@ -104,6 +104,31 @@ struct Avx512 {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
 
+  // The sums of 16 vectors at once, each by sum()'s own pairing of lanes (float addition is
+  // commutative, so bitwise sum()'s result) in 15 adds and 30 shuffles instead of 16 x 7: lane
+  // l holds the sum of v[kSumOrder[l]]. A 4 x 4 block's sums were a fifth of its time at 8 rows.
+  static constexpr int kSumOrder[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+  __attribute__((target("avx512f"))) static inline __m512 sum16(const __m512 (&v)[16]) {
+    __m512 a[8], b[4], c[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {  // lanes i and i + 8 of each vector (sum's 256-bit halves)
+      a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // then i and i + 4 (its 128-bit halves)
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {  // then i and i + 2 (movehl)
+      c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    }
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  }
+
   template <int NB, int MB>
   __attribute__((target("avx512f"))) static void block(const Operands& o) {
     __m512 acc[MB][NB];
@@ -143,8 +168,18 @@ struct Avx512 {
         for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(wv[n], xv, acc[m][n]);
       }
     }
-    for (int m = 0; m < MB; ++m) {
-      for (int n = 0; n < NB; ++n) o.y[m * o.ldy + n] = sum(acc[m][n]);
+    if constexpr (MB * NB == 16) {
+      __m512 all[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) all[i] = acc[i / NB][i % NB];
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, sum16(all));
+#pragma GCC unroll 16
+      for (int l = 0; l < 16; ++l) o.y[kSumOrder[l] / NB * o.ldy + kSumOrder[l] % NB] = sums[l];
+    } else {
+      for (int m = 0; m < MB; ++m) {
+        for (int n = 0; n < NB; ++n) o.y[m * o.ldy + n] = sum(acc[m][n]);
+      }
     }
   }
 };
