@@ -4,10 +4,10 @@
 // and between them the norms and the attention run while no weight streams; called a layer at a
 // time from Python, a SmolLM2 step spent ~2 ms of its ~25 in the calls (Intel Xeon with AMX, 2
 // cores). Here the threads stay in one region for a run of layers, each taking its share of
-// every piece, with a barrier wherever the next piece reads all of the last; before it waits, a
-// thread fetches the first lines of its share of the next product (the next layer's QKV after
-// fc2) into L2, so that the stream does not start cold after the barrier. Every element is
-// computed by its op's own arithmetic, so the output is bitwise the ops' one by one.
+// every piece, with a barrier wherever the next piece reads all of the last. (Fetching the first
+// 16 KiB of a thread's next share into L2 before each barrier changed nothing measurable there.)
+// Every element is computed by its op's own arithmetic, so the output is bitwise the ops' one by
+// one.
 #include "decode_ops.h"
 
 #include "skinny_gemm.h"
@@ -29,21 +29,6 @@ std::pair<int64_t, int64_t> share(int64_t n, int64_t unit, int t, int threads) {
   return {std::min(units * t / threads * unit, n), std::min(units * (t + 1) / threads * unit, n)};
 }
 
-// How much of its next share a thread fetches before a barrier: about a microsecond of one
-// core's stream, less than a block of a large product and far less than L2.
-constexpr int64_t kAheadBytes = 16 << 10;
-
-// The first kAheadBytes of weight rows [begin, end) into L2.
-void prefetch_rows(const float* w, int64_t ldw, int64_t k, int64_t begin, int64_t end) {
-  int64_t left = kAheadBytes / static_cast<int64_t>(sizeof(float));
-  for (int64_t n = begin; n < end && left > 0; ++n) {
-    const float* row = w + n * ldw;
-    const int64_t len = std::min(k, left);
-    for (int64_t j = 0; j < len; j += 16) __builtin_prefetch(row + j, 0, 2);
-    left -= len;
-  }
-}
-
 // input_norm, qkv_weight, qkv_bias (or None), proj_weight, mlp_norm, fc1_weight, fc2_weight.
 constexpr int64_t kWeightsPerLayer = 7;
 
@@ -60,34 +45,33 @@ at::Tensor norm_of(const at::Tensor& w, int64_t h, const char* name) {
   return w.contiguous();
 }
 
-
 // One layer's checked operands and buffers. `run` is called by every thread of the region.
 class LayerPlan {
  public:
-  LayerPlan(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights, int64_t at,
+  LayerPlan(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights, int64_t offset,
             double input_eps, double mlp_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
             const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows)
       : s_(hidden.size(0)),
         h_(hidden.size(2)),
         x_(hidden.contiguous()),
-        norm1_(norm_of(required(weights, at, "input_norm"), h_, "input_norm")),
-        qkv_w_(required(weights, at + 1, "qkv_weight")),
+        norm1_(norm_of(required(weights, offset, "input_norm"), h_, "input_norm")),
+        qkv_w_(required(weights, offset + 1, "qkv_weight")),
         qkv_(at::empty({s_, 1, qkv_w_.size(0)}, x_.options())),
         attention_(qkv_, cos, sin, keys, values, first, heads, scale),
         eps1_(static_cast<float>(input_eps)),
         eps2_(static_cast<float>(mlp_eps)) {
     const int64_t qkv_out = qkv_w_.size(0), att_width = heads * attention_.d;
     qkv_w_ = weight_of(qkv_w_, qkv_out, h_, "qkv_weight");
-    const c10::optional<at::Tensor> bias = weights.get(at + 2);
+    const c10::optional<at::Tensor> bias = weights.get(offset + 2);
     if (bias.has_value()) bias_ = norm_of(*bias, qkv_out, "qkv_bias");
-    const at::Tensor proj = weight_of(required(weights, at + 3, "proj_weight"), h_, att_width, "proj_weight");
-    norm2_ = norm_of(required(weights, at + 4, "mlp_norm"), h_, "mlp_norm");
-    const at::Tensor fc1_in = required(weights, at + 5, "fc1_weight");
+    const at::Tensor proj = weight_of(required(weights, offset + 3, "proj_weight"), h_, att_width, "proj_weight");
+    norm2_ = norm_of(required(weights, offset + 4, "mlp_norm"), h_, "mlp_norm");
+    const at::Tensor fc1_in = required(weights, offset + 5, "fc1_weight");
     TORCH_CHECK(fc1_in.dim() == 2 && fc1_in.size(0) % 2 == 0,
                 "decode_layer: fc1_weight must be [2F, H] (gate and up rows), got ", fc1_in.sizes());
     f_ = fc1_in.size(0) / 2;
     fc1_w_ = weight_of(fc1_in, 2 * f_, h_, "fc1_weight");
-    fc2_w_ = weight_of(required(weights, at + 6, "fc2_weight"), h_, f_, "fc2_weight");
+    fc2_w_ = weight_of(required(weights, offset + 6, "fc2_weight"), h_, f_, "fc2_weight");
     proj_w_ = proj;
     const auto options = x_.options();
     normed_ = at::empty({s_, h_}, options);
@@ -113,9 +97,8 @@ class LayerPlan {
   const at::Tensor& output() const { return out_; }
   int64_t scratch_size() const { return attention_.scratch_size(); }
 
-  // Thread t of n_threads: its share of the layer; then, before the last wait, the first lines
-  // of its share of `next`'s QKV product (none: nullptr).
-  void run(int t, int n_threads, float* scratch, const LayerPlan* next) const {
+  // Thread t of n_threads: its share of the layer.
+  void run(int t, int n_threads, float* scratch) const {
     const float* x = x_.data_ptr<float>();
     const auto rows = share(s_, 1, t, n_threads);
     rms_norm_rows(x, norm1_.data_ptr<float>(), eps1_, h_, normed_.data_ptr<float>(), rows.first, rows.second);
@@ -129,26 +112,26 @@ class LayerPlan {
         for (int64_t j = q.first; j < q.second; ++j) qkv_op_.y[r * qkv_out + j] += bias[j];
       }
     }
-    const auto o = share(h_, width_[1], t, n_threads);
-    prefetch_rows(proj_op_.w, proj_op_.ldw, proj_op_.k, o.first, o.second);
 #pragma omp barrier
     const auto slots = share(s_ * attention_.groups, 1, t, n_threads);
     for (int64_t item = slots.first; item < slots.second; ++item) attention_.write_slot(item);
 #pragma omp barrier
     const auto tasks = share(s_ * attention_.heads, 1, t, n_threads);
-    for (int64_t task = tasks.first; task < tasks.second; ++task) attention_.attend_task(task, scratch, att_.data_ptr<float>());
+    for (int64_t task = tasks.first; task < tasks.second; ++task) {
+      attention_.attend_task(task, scratch, att_.data_ptr<float>());
+    }
 #pragma omp barrier
+    const auto o = share(h_, width_[1], t, n_threads);
     skinny_share(proj_op_, o.first, o.second, blocks_[1]);
     float* mid = mid_.data_ptr<float>();
     for (int64_t r = 0; r < s_; ++r) {
       for (int64_t j = o.first; j < o.second; ++j) mid[r * h_ + j] += x[r * h_ + j];
     }
-    const auto g = share(f_, width_[2], t, n_threads);
-    prefetch_rows(fc1_op_.w, h_, h_, g.first, g.second);
 #pragma omp barrier
     rms_norm_rows(mid, norm2_.data_ptr<float>(), eps2_, h_, normed2_.data_ptr<float>(), rows.first, rows.second);
 #pragma omp barrier
     // A thread's gate rows and their up rows: the gated SiLU of its columns needs no barrier.
+    const auto g = share(f_, width_[2], t, n_threads);
     skinny_share(fc1_op_, g.first, g.second, blocks_[2]);
     skinny_share(fc1_op_, f_ + g.first, f_ + g.second, blocks_[2]);
     const float* up = up_.data_ptr<float>();
@@ -157,17 +140,12 @@ class LayerPlan {
       silu_mul_span(up + r * 2 * f_ + g.first, up + r * 2 * f_ + f_ + g.first, act + r * f_ + g.first,
                     g.second - g.first);
     }
-    const auto d = share(h_, width_[3], t, n_threads);
-    prefetch_rows(fc2_op_.w, f_, f_, d.first, d.second);
 #pragma omp barrier
+    const auto d = share(h_, width_[3], t, n_threads);
     skinny_share(fc2_op_, d.first, d.second, blocks_[3]);
     float* out = out_.data_ptr<float>();
     for (int64_t r = 0; r < s_; ++r) {
       for (int64_t j = d.first; j < d.second; ++j) out[r * h_ + j] += mid[r * h_ + j];
-    }
-    if (next != nullptr) {
-      const auto nq = share(next->qkv_op_.ldy, next->width_[0], t, n_threads);
-      prefetch_rows(next->qkv_op_.w, next->h_, next->h_, nq.first, nq.second);
     }
   }
 
@@ -228,7 +206,7 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
     float* own = scratch.data() + static_cast<size_t>(t) * scratch_size;
     for (int64_t i = 0; i < layers; ++i) {
-      plans[i].run(t, n_threads, own, i + 1 < layers ? &plans[i + 1] : nullptr);
+      plans[i].run(t, n_threads, own);
 #pragma omp barrier
     }
   }
