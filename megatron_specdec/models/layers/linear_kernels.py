@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_specdec.acceptance.ops import op_available
+from megatron_specdec.models.weight_memory import huge_page_empty
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,9 @@ def time_candidates(out_features: int, in_features: int, dtype, plan: dict,
     machine falls on all of them alike."""
     weight_bytes = out_features * in_features * torch.finfo(dtype).bits // 8
     copies = max(1, min(max_copies, math.ceil(2 * _l3_bytes() / max(1, weight_bytes))))
-    weights = torch.empty(copies, out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05)
+    # On the memory decoding weights live on (models/weight_memory.py).
+    weights = huge_page_empty(copies * out_features * in_features, dtype).view(
+        copies, out_features, in_features).uniform_(-0.05, 0.05)
     best = {}
     with torch.no_grad():
         for rows, names in plan.items():
