@@ -162,16 +162,17 @@ def test_decode_layers_bad_input_named_in_one_line():
 
     def call(**change):
         args = dict(hidden=hidden, weights=weights, eps=[1e-6, 1e-6], keys=[keys], values=[values],
-                    first=0, blocks=[0, 0, 0, 0], capture=[])
+                    first=0, heads=[groups * per], blocks=[0, 0, 0, 0], capture=[])
         args.update(change)
         return ops.decode_layers(args["hidden"], args["weights"], args["eps"], cos, sin,
-                                 args["keys"], args["values"], args["first"], groups * per,
-                                 d ** -0.5, args["blocks"], args["capture"])
+                                 args["keys"], args["values"], args["first"], args["heads"],
+                                 [d ** -0.5], args["blocks"], args["capture"])
 
     assert call()[0].shape == (2, 1, h)
     cases = [
         (dict(weights=weights[:6]), "weights must hold 7 per layer"),
         (dict(eps=[1e-6]), "eps must hold 2 per layer"),
+        (dict(heads=[4, 4]), "heads and scale must hold one value per layer"),
         (dict(blocks=[0, 0, 0]), "block_rows must hold 4 widths per layer"),
         (dict(blocks=[0, 2, 0, 0]), "block_rows must be 0"),
         (dict(capture=[1]), "capture holds layer 1, expected 0 .. 0"),

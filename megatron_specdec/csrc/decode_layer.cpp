@@ -170,8 +170,9 @@ class LayerPlan {
 
 std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
                                           at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                                          at::TensorList keys, at::TensorList values, int64_t first, int64_t heads,
-                                          double scale, at::IntArrayRef block_rows, at::IntArrayRef capture) {
+                                          at::TensorList keys, at::TensorList values, int64_t first,
+                                          at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef block_rows,
+                                          at::IntArrayRef capture) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(values.size()) == layers,
               "decode_layers: keys and values must hold one cache per layer (at least one), got ", keys.size(),
@@ -180,6 +181,9 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
               "decode_layers: weights must hold ", kWeightsPerLayer,
               " per layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight, fc2_weight), "
               "got ", weights.size(), " for ", layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(heads.size()) == layers && static_cast<int64_t>(scale.size()) == layers,
+              "decode_layers: heads and scale must hold one value per layer, got ", heads.size(), " and ",
+              scale.size(), " for ", layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * layers, "decode_layers: eps must hold 2 per layer, got ",
               eps.size(), " for ", layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(block_rows.size()) == 4 * layers,
@@ -195,7 +199,8 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
   plans.reserve(layers);
   for (int64_t i = 0; i < layers; ++i) {
     plans.emplace_back(i == 0 ? hidden : plans.back().output(), weights, kWeightsPerLayer * i, eps[2 * i],
-                       eps[2 * i + 1], cos, sin, keys[i], values[i], first, heads, scale, block_rows.data() + 4 * i);
+                       eps[2 * i + 1], cos, sin, keys[i], values[i], first, heads[i], scale[i],
+                       block_rows.data() + 4 * i);
   }
   int64_t scratch_size = 0;
   for (const LayerPlan& plan : plans) scratch_size = std::max(scratch_size, plan.scratch_size());

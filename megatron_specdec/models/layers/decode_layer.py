@@ -14,9 +14,10 @@ In float32 with the extension built, the RMSNorms, the gated SiLU and a batch-1 
 RoPE, cache write and attention run as one C++ op each (csrc/decode_ops.cpp): equal to
 PyTorch's ops within float32 rounding, and row-invariant like the small-row products, so a
 verify forward and plain steps still see bitwise the same logits. Where every part of a layer
-takes those ops and the skinny product, a batch-1 chain runs the whole layer as the one
-decode_layer op: the same kernels in the same order, without a dispatch and a Python call
-between them.
+takes those ops and the skinny product, a batch-1 chain runs the whole layer, and where every
+layer of the stage does, all of them (inference/generation.py), as the one decode_layers op
+(csrc/decode_layer.cpp): the same kernels in the same order, in one parallel region, without a
+dispatch and a Python call between them.
 """
 
 from functools import cached_property
@@ -207,28 +208,21 @@ class DecodeTransformerLayer(TransformerLayer):
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=()) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
     `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
-    one decode_layers op, so the threads stay in one parallel region for the whole run. Layers
-    of differing head counts or softmax scales run one op each."""
+    one decode_layers op, so the threads stay in one parallel region for the whole run."""
     first = cache.chain_start()
     s = hidden_states.shape[0]
-    weights, eps, keys, values, blocks, shared = [], [], [], [], [], set()
+    weights, eps, keys, values, heads, scales, blocks = [], [], [], [], [], [], []
     for layer in layers:
-        cos, sin, key, value, _, heads, scale = layer.self_attention.chain_args(
+        cos, sin, key, value, _, layer_heads, scale = layer.self_attention.chain_args(
             cache, first, hidden_states)
-        shared.add((heads, scale))
         layer_weights, layer_eps = layer.op_weights
         weights += layer_weights
         eps += layer_eps
         keys.append(key)
         values.append(value)
+        heads.append(layer_heads)
+        scales.append(scale)
         blocks += layer.blocks(s)
-    if len(shared) > 1:
-        captured = []
-        for i, layer in enumerate(layers):
-            hidden_states = decode_chain([layer], hidden_states, cache)[0]
-            if i in capture:
-                captured.append(hidden_states)
-        return captured + [hidden_states]
     return torch.ops.megatron_specdec.decode_layers(
-        hidden_states, weights, eps, cos, sin, keys, values, first, heads, scale, blocks,
+        hidden_states, weights, eps, cos, sin, keys, values, first, heads, scales, blocks,
         list(capture))
