@@ -13,9 +13,11 @@ from test_dflash_parallel import build, random_hf_draft, tiny_hf_config
 
 def _export_worker(out_dir):
     from megatron_specdec.methods.dflash import hf_weights
+    from megatron_specdec.models.weight_memory import place_weights
 
     distributed.initialize(1, 1)
     model = build(random_hf_draft())
+    place_weights(model)  # as a generation in the same process leaves them
     hf_weights.export_model(model, tiny_hf_config(), out_dir)
 
 
@@ -42,12 +44,16 @@ def _files(d):
 
 
 def test_export_layout(exported):
+    from megatron_specdec.methods.dflash.hf_weights import MASK_EMBEDDING_FILE
+
     config, state = _files(exported)
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {"mask_token_id": 499, "target_layer_ids": [0, 1, 2]}
     assert config["num_key_value_heads"] == 3  # unpadded
     assert "layers.1.self_attn.k_norm.weight" in state and "embed_tokens.weight" not in state
     assert not any(k.startswith("model.") for k in load_file(str(exported / "model.safetensors")))
+    # The mask embedding alone, not the buffer of placed weights it was a view of.
+    assert (exported / MASK_EMBEDDING_FILE).stat().st_size < state["mask_embedding"].nbytes + 4096
 
 
 def test_roundtrip_bitwise_through_tp2(exported, tmp_path):

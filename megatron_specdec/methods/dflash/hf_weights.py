@@ -163,8 +163,11 @@ def write_export(out_dir, config: dict, hf_state: dict, dtype: torch.dtype):
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype).contiguous() for k, v in hf_state.items() if k != "mask_embedding"}
     _atomic(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    # A copy of its own: a view (of weights placed for decoding, models/weight_memory.py)
+    # would pickle the whole buffer it views.
     mask = {"mask_token_id": config["dflash_config"]["mask_token_id"],
-            "embedding": hf_state["mask_embedding"].to(dtype).contiguous()}
+            "embedding": hf_state["mask_embedding"].to(dtype).clone(
+                memory_format=torch.contiguous_format)}
     _atomic(out / MASK_EMBEDDING_FILE, lambda p: torch.save(mask, p))
     _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
 
