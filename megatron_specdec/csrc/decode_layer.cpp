@@ -29,6 +29,15 @@ std::pair<int64_t, int64_t> share(int64_t n, int64_t unit, int t, int threads) {
   return {std::min(units * t / threads * unit, n), std::min(units * (t + 1) / threads * unit, n)};
 }
 
+// y[r, j] += addend[r * ld_addend + j] for rows r < s and columns [begin, end): a thread's share
+// of a bias (ld_addend 0) or a residual, added as at::Tensor::add_ adds it.
+void add_rows(float* y, int64_t ldy, const float* addend, int64_t ld_addend, int64_t s,
+              std::pair<int64_t, int64_t> cols) {
+  for (int64_t r = 0; r < s; ++r) {
+    for (int64_t j = cols.first; j < cols.second; ++j) y[r * ldy + j] += addend[r * ld_addend + j];
+  }
+}
+
 // input_norm, qkv_weight, qkv_bias (or None), proj_weight, mlp_norm, fc1_weight, fc2_weight.
 constexpr int64_t kWeightsPerLayer = 7;
 
@@ -64,7 +73,7 @@ class LayerPlan {
     qkv_w_ = weight_of(qkv_w_, qkv_out, h_, "qkv_weight");
     const c10::optional<at::Tensor> bias = weights.get(offset + 2);
     if (bias.has_value()) bias_ = norm_of(*bias, qkv_out, "qkv_bias");
-    const at::Tensor proj = weight_of(required(weights, offset + 3, "proj_weight"), h_, att_width, "proj_weight");
+    proj_w_ = weight_of(required(weights, offset + 3, "proj_weight"), h_, att_width, "proj_weight");
     norm2_ = norm_of(required(weights, offset + 4, "mlp_norm"), h_, "mlp_norm");
     const at::Tensor fc1_in = required(weights, offset + 5, "fc1_weight");
     TORCH_CHECK(fc1_in.dim() == 2 && fc1_in.size(0) % 2 == 0,
@@ -72,7 +81,6 @@ class LayerPlan {
     f_ = fc1_in.size(0) / 2;
     fc1_w_ = weight_of(fc1_in, 2 * f_, h_, "fc1_weight");
     fc2_w_ = weight_of(required(weights, offset + 6, "fc2_weight"), h_, f_, "fc2_weight");
-    proj_w_ = proj;
     const auto options = x_.options();
     normed_ = at::empty({s_, h_}, options);
     att_ = at::empty({s_, att_width}, options);
@@ -106,12 +114,7 @@ class LayerPlan {
     const int64_t qkv_out = qkv_op_.ldy;
     const auto q = share(qkv_out, width_[0], t, n_threads);
     skinny_share(qkv_op_, q.first, q.second, blocks_[0]);
-    if (bias_.defined()) {
-      const float* bias = bias_.data_ptr<float>();
-      for (int64_t r = 0; r < s_; ++r) {
-        for (int64_t j = q.first; j < q.second; ++j) qkv_op_.y[r * qkv_out + j] += bias[j];
-      }
-    }
+    if (bias_.defined()) add_rows(qkv_op_.y, qkv_out, bias_.data_ptr<float>(), 0, s_, q);
 #pragma omp barrier
     const auto slots = share(s_ * attention_.groups, 1, t, n_threads);
     for (int64_t item = slots.first; item < slots.second; ++item) attention_.write_slot(item);
@@ -124,9 +127,7 @@ class LayerPlan {
     const auto o = share(h_, width_[1], t, n_threads);
     skinny_share(proj_op_, o.first, o.second, blocks_[1]);
     float* mid = mid_.data_ptr<float>();
-    for (int64_t r = 0; r < s_; ++r) {
-      for (int64_t j = o.first; j < o.second; ++j) mid[r * h_ + j] += x[r * h_ + j];
-    }
+    add_rows(mid, h_, x, h_, s_, o);
 #pragma omp barrier
     rms_norm_rows(mid, norm2_.data_ptr<float>(), eps2_, h_, normed2_.data_ptr<float>(), rows.first, rows.second);
 #pragma omp barrier
@@ -143,10 +144,7 @@ class LayerPlan {
 #pragma omp barrier
     const auto d = share(h_, width_[3], t, n_threads);
     skinny_share(fc2_op_, d.first, d.second, blocks_[3]);
-    float* out = out_.data_ptr<float>();
-    for (int64_t r = 0; r < s_; ++r) {
-      for (int64_t j = d.first; j < d.second; ++j) out[r * h_ + j] += mid[r * h_ + j];
-    }
+    add_rows(out_.data_ptr<float>(), h_, mid, h_, s_, d);
   }
 
  private:

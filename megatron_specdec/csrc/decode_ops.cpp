@@ -206,12 +206,6 @@ bool avx2() {
   return yes;
 }
 
-void silu_mul_row(const float* gate, const float* up, float* out, int64_t f) {
-#ifdef SPECDEC_X86
-  if (avx2()) return silu_mul_row_avx2(gate, up, out, f);
-#endif
-  silu_mul_row_scalar(gate, up, out, f);
-}
 
 void attend(const float* query, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
             int64_t seen, int64_t d, float scale, float* scores, float* out) {
@@ -247,7 +241,12 @@ void rms_norm_rows(const float* in, const float* weight, float eps, int64_t h, f
   }
 }
 
-void silu_mul_span(const float* gate, const float* up, float* out, int64_t n) { silu_mul_row(gate, up, out, n); }
+void silu_mul_span(const float* gate, const float* up, float* out, int64_t n) {
+#ifdef SPECDEC_X86
+  if (avx2()) return silu_mul_row_avx2(gate, up, out, n);
+#endif
+  silu_mul_row_scalar(gate, up, out, n);
+}
 
 ChainAttention::ChainAttention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                const at::Tensor& keys, const at::Tensor& values, int64_t first, int64_t heads,
@@ -337,7 +336,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& x) {
                    [&](int64_t begin, int64_t end) {
                      for (int64_t r = begin; r < end; ++r) {
                        const float* gate = in + r * two_f;
-                       silu_mul_row(gate, gate + f, out + r * f, f);
+                       silu_mul_span(gate, gate + f, out + r * f, f);
                      }
                    });
   return y.view(sizes);
@@ -351,7 +350,8 @@ at::Tensor chain_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, con
   for (int64_t item = 0; item < attention.s * attention.groups; ++item) attention.write_slot(item);
   at::Tensor y = at::empty({attention.s, 1, heads * attention.d}, qkv.options());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, attention.s * heads, std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, attention.task_flops())),
+  const int64_t grain = std::max<int64_t>(1, kGrainFlops / std::max<int64_t>(1, attention.task_flops()));
+  at::parallel_for(0, attention.s * heads, grain,
                    [&](int64_t begin, int64_t end) {
                      std::vector<float> scratch(attention.scratch_size());
                      for (int64_t task = begin; task < end; ++task) attention.attend_task(task, scratch.data(), out);
