@@ -105,6 +105,26 @@ def test_chain_attention_is_row_invariant_bitwise():
     assert torch.equal(keys, chain_keys) and torch.equal(values, chain_values)
 
 
+@pytest.mark.parametrize("s,groups,per,dim", [(1, 3, 3, 64), (8, 3, 3, 64), (4, 1, 5, 40),
+                                          (2, 2, 8, 24)])
+def test_chain_attention_same_bits_at_any_thread_count(s, groups, per, dim):
+    """Where the attention takes a group's heads together (AVX-512), it takes as many at a
+    time as leave every thread work: the grouping changes with the thread count, the bits
+    must not."""
+    qkv, cos, sin, keys, values = chain_inputs(s, groups, per, dim, dim, 200, 5)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3, 8):
+            torch.set_num_threads(n)
+            outs.append(ops.chain_attention(qkv, cos, sin, keys.clone(), values.clone(), 150,
+                                            groups * per, dim ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    for n, out in zip((2, 3, 8), outs[1:]):
+        assert torch.equal(out, outs[0]), n
+
+
 def test_the_portable_paths_equal_torch_and_are_row_invariant():
     """Forced by SPECDEC_SKINNY_ISA=scalar in a fresh process (a CPU without AVX2 and FMA), the
     SiLU and the attention take their portable code, which must pass the same checks."""
@@ -113,7 +133,8 @@ def test_the_portable_paths_equal_torch_and_are_row_invariant():
             "for f in (1, 13, 1536): t.test_silu_mul_equals_torch_and_is_row_invariant(f)\n"
             "t.test_chain_attention_equals_sdpa_and_writes_the_cache(5, 3, 3, 64, 64, 20)\n"
             "t.test_chain_attention_equals_sdpa_and_writes_the_cache(3, 1, 4, 12, 12, 90)\n"
-            "t.test_chain_attention_is_row_invariant_bitwise()\n")
+            "t.test_chain_attention_is_row_invariant_bitwise()\n"
+            "t.test_chain_attention_same_bits_at_any_thread_count(4, 1, 5, 40)\n")
     env = {**os.environ, "SPECDEC_SKINNY_ISA": "scalar",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                           os.environ.get("PYTHONPATH", "")])}

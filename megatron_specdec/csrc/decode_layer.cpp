@@ -59,14 +59,15 @@ class LayerPlan {
  public:
   LayerPlan(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights, int64_t offset,
             double input_eps, double mlp_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-            const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows)
+            const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows,
+            int threads)
       : s_(hidden.size(0)),
         h_(hidden.size(2)),
         x_(hidden.contiguous()),
         norm1_(norm_of(required(weights, offset, "input_norm"), h_, "input_norm")),
         qkv_w_(required(weights, offset + 1, "qkv_weight")),
         qkv_(at::empty({s_, 1, qkv_w_.size(0)}, x_.options())),
-        attention_(qkv_, cos, sin, keys, values, first, heads, scale),
+        attention_(qkv_, cos, sin, keys, values, first, heads, scale, threads),
         eps1_(static_cast<float>(input_eps)),
         eps2_(static_cast<float>(mlp_eps)) {
     const int64_t qkv_out = qkv_w_.size(0), att_width = heads * attention_.d;
@@ -119,7 +120,7 @@ class LayerPlan {
     const auto slots = share(s_ * attention_.groups, 1, t, n_threads);
     for (int64_t item = slots.first; item < slots.second; ++item) attention_.write_slot(item);
 #pragma omp barrier
-    const auto tasks = share(s_ * attention_.heads, 1, t, n_threads);
+    const auto tasks = share(attention_.tasks(), 1, t, n_threads);
     for (int64_t task = tasks.first; task < tasks.second; ++task) {
       attention_.attend_task(task, scratch, att_.data_ptr<float>());
     }
@@ -193,16 +194,16 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 3 && hidden.size(1) == 1,
               "decode_layers: hidden must be float32 [s, 1, H] (one sequence's chain), got ", hidden.scalar_type(),
               " ", hidden.sizes());
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   std::vector<LayerPlan> plans;
   plans.reserve(layers);
   for (int64_t i = 0; i < layers; ++i) {
     plans.emplace_back(i == 0 ? hidden : plans.back().output(), weights, kWeightsPerLayer * i, eps[2 * i],
                        eps[2 * i + 1], cos, sin, keys[i], values[i], first, heads[i], scale[i],
-                       block_rows.data() + 4 * i);
+                       block_rows.data() + 4 * i, threads);
   }
   int64_t scratch_size = 0;
   for (const LayerPlan& plan : plans) scratch_size = std::max(scratch_size, plan.scratch_size());
-  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(threads) * scratch_size);
 #pragma omp parallel num_threads(threads)
   {

@@ -36,17 +36,20 @@ void silu_mul_span(const float* gate, const float* up, float* out, int64_t n);
 
 // chain_attention's operands, checked once (one line naming the tensor and what was expected):
 // the s new tokens' keys and values go to slots first .. first + s - 1 (write_slot, one item per
-// token and group), then each query-head pair attends (attend_task, into out [s, heads * D]).
+// token and group), then each task attends: a token's heads of one group, per_chunk at a time
+// (attend_task, into out [s, heads * D]). `threads`: how many will share the tasks (the split
+// changes the speed only, never a result).
 struct ChainAttention {
   ChainAttention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                 const at::Tensor& values, int64_t first, int64_t heads, double scale);
+                 const at::Tensor& values, int64_t first, int64_t heads, double scale, int threads);
   void write_slot(int64_t item) const;
+  int64_t tasks() const { return s * groups * chunks; }
   void attend_task(int64_t task, float* scratch, float* out) const;
   // Multiply-adds of one task (a parallel grain's unit) and the floats of its scratch.
   int64_t task_flops() const;
-  int64_t scratch_size() const { return d + first + s; }
+  int64_t scratch_size() const { return per_chunk * (d + first + s); }
 
-  int64_t s = 0, groups = 0, per_group = 0, d = 0, r = 0, width = 0, first, heads;
+  int64_t s = 0, groups = 0, per_group = 0, chunks = 1, per_chunk = 1, d = 0, r = 0, width = 0, first, heads;
   float scale;
 
  private:
