@@ -91,7 +91,11 @@ class Eagle3Drafter:
 
     def extend(self, aux: Tensor, next_tokens: Tensor, counts: Tensor):
         """Real positions: aux [s, b, n_aux*h] captured by the base, next_tokens [b, s]; the
-        last counts[b] of row b are real."""
+        last counts[b] of row b are real. One row runs its real positions alone, as a chain
+        (the decoding path's one-op attention), not a left-padded chunk."""
+        if next_tokens.shape[0] == 1:
+            real = int(counts[0])
+            aux, next_tokens, counts = aux[aux.shape[0] - real:], next_tokens[:, -real:], None
         self._step(self.module.project(aux), next_tokens, counts)
         self.real = self.cache.lengths.clone()
 
