@@ -200,6 +200,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* query, const f
   const float inv = 1.0f / total;
   for (int64_t j = 0; j < d; ++j) out[j] *= inv;
 }
+
 // AVX-512: the queries of one token that share a group's keys (up to four heads) read each key
 // and value once. Each (query, key) score is one vector accumulator over D, then sum()'s fixed
 // pairing (sum16 for a block), and each output column one accumulator over the slots in order,
