@@ -1,7 +1,8 @@
 """The skinny GEMM of decoding (csrc/skinny_gemm.cpp): equal to F.linear within fp32 tolerance
 for random shapes, 1-16 rows and strided inputs, at both block widths; bitwise row-invariant (a
 row alone equals the same row inside a call of 2, 5, 8, 16 or more rows, whichever block width
-each call takes) on every ISA path this CPU runs; bad input named in one line."""
+each call takes) on every ISA path this CPU runs; a float16 or bfloat16 weight computes bitwise
+what its float32 copy does; bad input named in one line."""
 
 import os
 import subprocess
@@ -78,6 +79,24 @@ def test_row_invariant_bitwise(in_features):
     _invariance(in_features)
 
 
+def _narrow_weights():
+    """A 16-bit weight computes bitwise what its float32 copy computes, at every row count,
+    block width and tail length."""
+    g = torch.Generator().manual_seed(16)
+    for dtype in (torch.float16, torch.bfloat16):
+        for out_features, in_features in [(37, 64), (131, 576), (9, 1000), (5, 7), (3, 1)]:
+            narrow = (torch.randn(out_features, in_features, generator=g) * 0.1).to(dtype)
+            for rows in (1, 2, 5, 8, 16):
+                x = torch.randn(rows, in_features, generator=g)
+                for block_rows in (0, 1):
+                    assert torch.equal(skinny(x, narrow, block_rows), skinny(x, narrow.float())), \
+                        (dtype, out_features, in_features, rows, block_rows)
+
+
+def test_narrow_weights_bitwise_their_float32_copy():
+    _narrow_weights()
+
+
 def test_row_invariant_on_every_isa_path():
     """The lower ISA paths (forced by SPECDEC_SKINNY_ISA in a fresh process) are as correct
     and as row-invariant as the one this CPU takes."""
@@ -86,6 +105,7 @@ def test_row_invariant_on_every_isa_path():
     code = ("import torch, megatron_specdec._C, torch.nn.functional as F, test_skinny_gemm as t\n"
             "assert torch.ops.megatron_specdec.skinny_linear_isa() == '{isa}'\n"
             "for k in (576, 13): t._invariance(k)\n"
+            "t._narrow_weights()\n"
             "w, x = torch.randn(37, 100), torch.randn(7, 100)\n"
             "torch.testing.assert_close(t.skinny(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)\n")
     for isa in paths[paths.index(best) + 1:]:
@@ -101,7 +121,8 @@ def test_bad_input_named_in_one_line():
     w = torch.randn(8, 16)
     cases = [
         (torch.randn(2, 16, dtype=torch.float64), w, "must be float32"),
-        (torch.randn(2, 16), w.bfloat16(), "must be float32"),
+        (torch.randn(2, 16), w.double(), "must be float32"),
+        (torch.randn(2, 16).bfloat16(), w.bfloat16(), "must be float32"),
         (torch.randn(2, 15), w, r"x must be \[\.\.\., 16\]"),
         (torch.randn(2, 16), torch.randn(8, 16, 1), "weight must be 2-D"),
     ]

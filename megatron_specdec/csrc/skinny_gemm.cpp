@@ -16,6 +16,7 @@
 #include "vector_sums.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,57 +33,90 @@ namespace specdec {
 namespace {
 
 
+// Weights stored in 16 bits, widened exactly to float32 as they are read: IEEE binary16 (the
+// greedy head's screening copy, greedy_head.cpp) and bfloat16 (a float32 weight whose values
+// are all bfloat16 values, models/weight_memory.py), each its own type for overloading.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+template <typename W>
 struct Operands {
   const float* x;
   int64_t ldx;
-  const float* w;
+  const W* w;
   int64_t ldw;
   int64_t k;
   float* y;
   int64_t ldy;
   // The next block's kOut weight rows, prefetched while this one computes so that the memory
   // stream keeps going while the block's rows of x are multiplied; nullptr: none. Each pass
-  // over x prefetches its share, columns [prefetch_begin, prefetch_end), so that a call of many
-  // rows keeps the stream busy through all its passes, not the first only.
-  const float* next = nullptr;
+  // over x prefetches its share, columns [prefetch_begin, prefetch_end) (whole cache lines),
+  // so that a call of many rows keeps the stream busy through all its passes, not the first
+  // only.
+  const W* next = nullptr;
   int64_t prefetch_begin = 0;
   int64_t prefetch_end = 0;
 };
 
+// Weights of element W in one 64-byte cache line.
+template <typename W>
+constexpr int64_t kLine = 64 / sizeof(W);
+
 // Into L2 only: at 8 or more rows of x (8 x 576 floats is 18 KiB) the rows of x and the
 // block's weights fill L1, and lines prefetched into L1 were evicted before their block ran
 // (16 rows: all SmolLM2 products of a step 69 -> 57 ms; 8 rows 61 -> 56; 1 row unchanged).
-inline void prefetch_l2(const float* p) {
+inline void prefetch_l2(const void* p) {
 #ifdef SPECDEC_X86
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 #else
   __builtin_prefetch(p, 0, 2);
 #endif
 }
 
-// A block of one weight row reads that row into L1 this many floats (eight cache lines) ahead
+// A block of one weight row reads that row into L1 this many bytes (eight cache lines) ahead
 // of its products: a single stream without it read ~15% slower than the ISA's block, with it
 // 7-13% faster (AMD EPYC Zen 3, a decode step's products at one row of x).
-constexpr int64_t kRowAhead = 128;
+template <typename W>
+constexpr int64_t kRowAhead = 512 / sizeof(W);
 
-inline void prefetch_line(const float* p) {
+inline void prefetch_line(const void* p) {
 #ifdef SPECDEC_X86
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #else
   __builtin_prefetch(p);
 #endif
+}
+
+// Whether column k (a multiple of the vector width) starts a cache line of W: half-precision
+// rows take two vectors a line, and each line is prefetched once.
+template <typename W>
+inline bool line_start(int64_t k) {
+  return sizeof(W) == sizeof(float) || k % kLine<W> == 0;
+}
+
+inline float widen(float v) { return v; }
+inline float widen(Half h) { return c10::detail::fp16_ieee_to_fp32_value(h.bits); }
+inline float widen(BFloat16 h) {
+  const uint32_t bits = static_cast<uint32_t>(h.bits) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
 }
 
 // Reference path (no vector ISA): one sequential sum per output element.
 struct Scalar {
   static constexpr int kOut = 4;  // weight rows per block (streamed from memory at once)
   static constexpr int kRows = 4;  // rows of x per pass
-  template <int NB, int MB>
-  static void block(const Operands& o) {
+  template <typename W, int NB, int MB>
+  static void block(const Operands<W>& o) {
     float acc[MB][NB] = {};
     for (int64_t k = 0; k < o.k; ++k) {
       for (int m = 0; m < MB; ++m) {
-        for (int n = 0; n < NB; ++n) acc[m][n] += o.w[n * o.ldw + k] * o.x[m * o.ldx + k];
+        for (int n = 0; n < NB; ++n) acc[m][n] += widen(o.w[n * o.ldw + k]) * o.x[m * o.ldx + k];
       }
     }
     for (int m = 0; m < MB; ++m) {
@@ -98,14 +132,36 @@ struct Avx512 {
   static constexpr int kOut = 4;
   static constexpr int kRows = 4;
 
+  // Sixteen weights as float32 (a half-precision one widened exactly).
+  __attribute__((target("avx512f"), always_inline)) static inline __m512 load(const float* p) {
+    return _mm512_loadu_ps(p);
+  }
+  __attribute__((target("avx512f"), always_inline)) static inline __m512 load(const Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  __attribute__((target("avx512f"), always_inline)) static inline __m512 load(const BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  // The first n (< 16) weights at p, the other lanes zero.
+  __attribute__((target("avx512f"))) static inline __m512 load_tail(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  }
+  template <typename W>
+  __attribute__((target("avx512f"))) static inline __m512 load_tail(const W* p, int64_t n) {
+    alignas(32) W lanes[16] = {};
+    std::memcpy(lanes, p, n * sizeof(W));
+    return load(lanes);
+  }
+
   // Columns k .. k + 15 of the block's weight rows against every row of x.
-  template <int NB, int MB>
+  template <typename W, int NB, int MB>
   __attribute__((target("avx512f"), always_inline)) static inline void step(__m512 (&acc)[MB][NB],
-                                                                          const float* const (&w)[NB],
+                                                                          const W* const (&w)[NB],
                                                                           const float* const (&x)[MB], int64_t k) {
     __m512 wv[NB];
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) wv[n] = _mm512_loadu_ps(w[n] + k);
+    for (int n = 0; n < NB; ++n) wv[n] = load(w[n] + k);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_loadu_ps(x[m] + k);
@@ -119,15 +175,15 @@ struct Avx512 {
   // address spent nearly as many instructions as its sixteen multiply-adds (all SmolLM2
   // products of a step from memory, 2 cores: 8 rows 23.3 -> 22.6 ms, 2 rows 20.3 -> 19.4 ms,
   // runs alternated three times on the Intel Xeon with AMX).
-  template <int NB, int MB>
-  __attribute__((target("avx512f"))) static void block(const Operands& o) {
+  template <typename W, int NB, int MB>
+  __attribute__((target("avx512f"))) static void block(const Operands<W>& o) {
     __m512 acc[MB][NB];
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
     }
-    const float* w[NB];
+    const W* w[NB];
     const float* x[MB];
     for (int n = 0; n < NB; ++n) w[n] = o.w + n * o.ldw;
     for (int m = 0; m < MB; ++m) x[m] = o.x + m * o.ldx;
@@ -137,23 +193,27 @@ struct Avx512 {
     int64_t k = 0;
     if constexpr (NB == 1) {
       for (; k < full; k += 16) {
-        if (k >= begin && k < end) prefetch_line(o.next + k);
-        if (k + kRowAhead < o.k) prefetch_line(o.w + k + kRowAhead);
-        step<NB, MB>(acc, w, x, k);
+        if (line_start<W>(k)) {
+          if (k >= begin && k < end) prefetch_line(o.next + k);
+          if (k + kRowAhead<W> < o.k) prefetch_line(o.w + k + kRowAhead<W>);
+        }
+        step<W, NB, MB>(acc, w, x, k);
       }
     }
-    for (; k < begin; k += 16) step<NB, MB>(acc, w, x, k);
+    for (; k < begin; k += 16) step<W, NB, MB>(acc, w, x, k);
     for (; k < end; k += 16) {
+      if (line_start<W>(k)) {
 #pragma GCC unroll 4
-      for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
-      step<NB, MB>(acc, w, x, k);
+        for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
+      }
+      step<W, NB, MB>(acc, w, x, k);
     }
-    for (; k < full; k += 16) step<NB, MB>(acc, w, x, k);
+    for (; k < full; k += 16) step<W, NB, MB>(acc, w, x, k);
     if (k < o.k) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (o.k - k)) - 1u);
       __m512 wv[NB];
 #pragma GCC unroll 4
-      for (int n = 0; n < NB; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, o.w + n * o.ldw + k);
+      for (int n = 0; n < NB; ++n) wv[n] = load_tail(o.w + n * o.ldw + k, o.k - k);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const __m512 xv = _mm512_maskz_loadu_ps(mask, o.x + m * o.ldx + k);
@@ -181,7 +241,7 @@ struct Avx512 {
 // twelve multiply-adds: a verify's 8-16 rows stay near the FMA units' rate). The columns before,
 // inside and after the prefetch range run as three loops, so that the loop over K carries no
 // test (a dozen instructions an iteration beside the twelve multiply-adds); each accumulator
-// still takes the columns in order.
+// still takes the columns in order. Every AVX2 CPU has F16C (half-precision weights).
 struct Avx2 {
   static constexpr int kOut = 3;
   static constexpr int kRows = 4;
@@ -192,13 +252,34 @@ struct Avx2 {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
   }
 
+  __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 load(const float* p) {
+    return _mm256_loadu_ps(p);
+  }
+  __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 load(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  __attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 load(const BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  // The first n (< 8) weights at p, the other lanes zero.
+  __attribute__((target("avx2,fma,f16c"))) static inline __m256 load_tail(const float* p, __m256i mask, int64_t) {
+    return _mm256_maskload_ps(p, mask);
+  }
+  template <typename W>
+  __attribute__((target("avx2,fma,f16c"))) static inline __m256 load_tail(const W* p, __m256i, int64_t n) {
+    alignas(16) W lanes[8] = {};
+    std::memcpy(lanes, p, n * sizeof(W));
+    return load(lanes);
+  }
+
   // Columns k .. k + 7 of the block's weight rows against every row of x.
-  template <int NB, int MB>
-  __attribute__((target("avx2,fma"), always_inline)) static inline void step(__m256 (&acc)[MB][NB],
-                                                                             const Operands& o, int64_t k) {
+  template <typename W, int NB, int MB>
+  __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void step(__m256 (&acc)[MB][NB],
+                                                                                  const Operands<W>& o, int64_t k) {
     __m256 wv[NB];
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) wv[n] = _mm256_loadu_ps(o.w + n * o.ldw + k);
+    for (int n = 0; n < NB; ++n) wv[n] = load(o.w + n * o.ldw + k);
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_loadu_ps(o.x + m * o.ldx + k);
@@ -207,8 +288,8 @@ struct Avx2 {
     }
   }
 
-  template <int NB, int MB>
-  __attribute__((target("avx2,fma"))) static void block(const Operands& o) {
+  template <typename W, int NB, int MB>
+  __attribute__((target("avx2,fma,f16c"))) static void block(const Operands<W>& o) {
     __m256 acc[MB][NB];
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
@@ -216,7 +297,7 @@ struct Avx2 {
       for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
     }
     const int64_t full = o.k / 8 * 8;
-    // The next block's lines are prefetched at the multiples of 16 in [begin, end).
+    // The next block's lines are prefetched at the line starts in [begin, end).
     const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
     const int64_t end = o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full));
     int64_t k = 0;
@@ -224,20 +305,24 @@ struct Avx2 {
       // One weight row: that row's lines ahead into L1 as well (a test an iteration is nothing
       // beside a single stream's memory time); the loops below finish the columns.
       for (; k + 16 <= full; k += 16) {
-        if (k >= begin && k < end) prefetch_l2(o.next + k);
-        if (k + kRowAhead < o.k) prefetch_line(o.w + k + kRowAhead);
-        step<NB, MB>(acc, o, k);
-        step<NB, MB>(acc, o, k + 8);
+        if (line_start<W>(k)) {
+          if (k >= begin && k < end) prefetch_l2(o.next + k);
+          if (k + kRowAhead<W> < o.k) prefetch_line(o.w + k + kRowAhead<W>);
+        }
+        step<W, NB, MB>(acc, o, k);
+        step<W, NB, MB>(acc, o, k + 8);
       }
     }
-    for (; k < begin; k += 8) step<NB, MB>(acc, o, k);
+    for (; k < begin; k += 8) step<W, NB, MB>(acc, o, k);
     for (; k < end; k += 16) {
+      if (line_start<W>(k)) {
 #pragma GCC unroll 4
-      for (int n = 0; n < NB; ++n) prefetch_l2(o.next + n * o.ldw + k);
-      step<NB, MB>(acc, o, k);
-      if (k + 8 < full) step<NB, MB>(acc, o, k + 8);
+        for (int n = 0; n < NB; ++n) prefetch_l2(o.next + n * o.ldw + k);
+      }
+      step<W, NB, MB>(acc, o, k);
+      if (k + 8 < full) step<W, NB, MB>(acc, o, k + 8);
     }
-    for (; k < full; k += 8) step<NB, MB>(acc, o, k);
+    for (; k < full; k += 8) step<W, NB, MB>(acc, o, k);
     k = full;
     if (k < o.k) {
       alignas(32) int32_t lanes[8];
@@ -245,7 +330,7 @@ struct Avx2 {
       const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
       __m256 wv[NB];
 #pragma GCC unroll 4
-      for (int n = 0; n < NB; ++n) wv[n] = _mm256_maskload_ps(o.w + n * o.ldw + k, mask);
+      for (int n = 0; n < NB; ++n) wv[n] = load_tail(o.w + n * o.ldw + k, mask, o.k - k);
 #pragma GCC unroll 16
       for (int m = 0; m < MB; ++m) {
         const __m256 xv = _mm256_maskload_ps(o.x + m * o.ldx + k, mask);
@@ -261,70 +346,72 @@ struct Avx2 {
 #endif
 
 // The last r (< Isa::kRows) rows of x against NB weight rows.
-template <typename Isa, int NB, int MB>
-void tail_rows(int64_t r, const Operands& o) {
+template <typename Isa, typename W, int NB, int MB>
+void tail_rows(int64_t r, const Operands<W>& o) {
   if constexpr (MB > 0) {
     if (r == MB) {
-      Isa::template block<NB, MB>(o);
+      Isa::template block<W, NB, MB>(o);
     } else {
-      tail_rows<Isa, NB, MB - 1>(r, o);
+      tail_rows<Isa, W, NB, MB - 1>(r, o);
     }
   }
 }
 
 // Every row of x (rows) against NB weight rows starting at o.w, writing o.y[:, 0:NB].
-template <typename Isa, int NB>
-void all_rows(int64_t rows, Operands o) {
+template <typename Isa, typename W, int NB>
+void all_rows(int64_t rows, Operands<W> o) {
   const int64_t passes = (rows + Isa::kRows - 1) / Isa::kRows;
-  // Each pass's share of the next block's columns, in whole 16-float cache lines.
-  const int64_t share = (o.k + 16 * passes - 1) / (16 * passes) * 16;
+  // Each pass's share of the next block's columns, in whole cache lines.
+  const int64_t line = kLine<W>;
+  const int64_t share = (o.k + line * passes - 1) / (line * passes) * line;
   o.prefetch_begin = 0;
   o.prefetch_end = share;
   int64_t m = 0;
   for (; m + Isa::kRows <= rows; m += Isa::kRows) {
-    Isa::template block<NB, Isa::kRows>(o);
+    Isa::template block<W, NB, Isa::kRows>(o);
     o.x += Isa::kRows * o.ldx;
     o.y += Isa::kRows * o.ldy;
     o.prefetch_begin = o.prefetch_end;
     o.prefetch_end += share;
   }
-  tail_rows<Isa, NB, Isa::kRows - 1>(rows - m, o);
+  tail_rows<Isa, W, NB, Isa::kRows - 1>(rows - m, o);
 }
 
 // Output features [begin, end) on the calling thread: blocks of kOut weight rows from `begin`,
 // the remainder one row a block (the same per-element arithmetic whichever block a row is in).
-template <typename Isa, int kOut>
-void run_range(const Operands& all, int64_t rows, int64_t begin, int64_t end) {
+template <typename Isa, typename W, int kOut>
+void run_range(const Operands<W>& all, int64_t rows, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; n += kOut) {
-    Operands o = all;
+    Operands<W> o = all;
     o.w = all.w + n * all.ldw;
     o.y = all.y + n;
     o.next = n + 2 * kOut <= end ? o.w + kOut * all.ldw : nullptr;
     if (n + kOut <= end) {
-      all_rows<Isa, kOut>(rows, o);
+      all_rows<Isa, W, kOut>(rows, o);
       continue;
     }
-    for (int64_t j = n; j < end; ++j, o.w += all.ldw, ++o.y) all_rows<Isa, 1>(rows, o);
+    for (int64_t j = n; j < end; ++j, o.w += all.ldw, ++o.y) all_rows<Isa, W, 1>(rows, o);
   }
 }
 
-template <typename Isa>
-void run_range(const Operands& all, int64_t rows, int64_t begin, int64_t end, int64_t block_rows) {
+template <typename Isa, typename W>
+void run_range(const Operands<W>& all, int64_t rows, int64_t begin, int64_t end, int64_t block_rows) {
   if (block_rows == 1) {
-    run_range<Isa, 1>(all, rows, begin, end);
+    run_range<Isa, W, 1>(all, rows, begin, end);
   } else {
-    run_range<Isa, Isa::kOut>(all, rows, begin, end);
+    run_range<Isa, W, Isa::kOut>(all, rows, begin, end);
   }
 }
 
-template <typename Isa>
-void run(const Operands& all, int64_t rows, int64_t out_features, int64_t block_rows) {
+template <typename Isa, typename W>
+void run(const Operands<W>& all, int64_t rows, int64_t out_features, int64_t block_rows) {
   const int64_t width = block_rows == 1 ? 1 : Isa::kOut;
   const int64_t blocks = (out_features + width - 1) / width;
   // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width * all.k * 4));
+  const int64_t row_bytes = all.k * static_cast<int64_t>(sizeof(W));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width * row_bytes));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    run_range<Isa>(all, rows, begin * width, std::min(end * width, out_features), block_rows);
+    run_range<Isa, W>(all, rows, begin * width, std::min(end * width, out_features), block_rows);
   });
 }
 
@@ -389,7 +476,7 @@ int64_t skinny_block_width(int64_t block_rows) {
 }
 
 void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
-  const Operands o{a.x, a.ldx, a.w, a.ldw, a.k, a.y, a.ldy};
+  const Operands<float> o{a.x, a.ldx, a.w, a.ldw, a.k, a.y, a.ldy};
   switch (path()) {
 #ifdef SPECDEC_X86
     case Path::kAvx512:
@@ -402,15 +489,34 @@ void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t b
   }
 }
 
+namespace {
+
+template <typename W>
+void run_path(const Operands<W>& o, int64_t rows, int64_t out_features, int64_t block_rows) {
+  switch (path()) {
+#ifdef SPECDEC_X86
+    case Path::kAvx512:
+      return run<Avx512>(o, rows, out_features, block_rows);
+    case Path::kAvx2:
+      return run<Avx2>(o, rows, out_features, block_rows);
+#endif
+    default:
+      return run<Scalar>(o, rows, out_features, block_rows);
+  }
+}
+
+}  // namespace
+
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows) {
   TORCH_CHECK(block_rows == 0 || block_rows == 1, "skinny_linear: block_rows must be 0 (the ISA's block) or 1 ",
               "(one weight row a block), got ", block_rows);
   TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be 2-D [out, in], got shape ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "skinny_linear: x must be [..., ", weight.size(1),
               "] to match weight ", weight.sizes(), ", got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "skinny_linear: x and weight must be float32, got x ", x.scalar_type(), " and weight ",
-              weight.scalar_type());
+  const at::ScalarType wt = weight.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (wt == at::kFloat || wt == at::kHalf || wt == at::kBFloat16),
+              "skinny_linear: x must be float32 and weight float32, float16 or bfloat16, got x ", x.scalar_type(),
+              " and weight ", wt);
   const int64_t k = weight.size(1);
   const int64_t out_features = weight.size(0);
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -423,19 +529,18 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
   const int64_t m = rows.size(0);
   at::Tensor y = at::empty({m, out_features}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0 || out_features == 0) return y.view(sizes);
-  const Operands o{rows.data_ptr<float>(), rows.stride(0), w.data_ptr<float>(), w.stride(0), k,
-                   y.data_ptr<float>(), out_features};
-  switch (path()) {
-#ifdef SPECDEC_X86
-    case Path::kAvx512:
-      run<Avx512>(o, m, out_features, block_rows);
-      break;
-    case Path::kAvx2:
-      run<Avx2>(o, m, out_features, block_rows);
-      break;
-#endif
-    default:
-      run<Scalar>(o, m, out_features, block_rows);
+  if (wt == at::kHalf) {
+    const Operands<Half> o{rows.data_ptr<float>(), rows.stride(0), static_cast<const Half*>(w.const_data_ptr()),
+                           w.stride(0), k, y.data_ptr<float>(), out_features};
+    run_path(o, m, out_features, block_rows);
+  } else if (wt == at::kBFloat16) {
+    const Operands<BFloat16> o{rows.data_ptr<float>(), rows.stride(0), static_cast<const BFloat16*>(w.const_data_ptr()),
+                               w.stride(0), k, y.data_ptr<float>(), out_features};
+    run_path(o, m, out_features, block_rows);
+  } else {
+    const Operands<float> o{rows.data_ptr<float>(), rows.stride(0), w.data_ptr<float>(), w.stride(0), k,
+                            y.data_ptr<float>(), out_features};
+    run_path(o, m, out_features, block_rows);
   }
   return y.view(sizes);
 }

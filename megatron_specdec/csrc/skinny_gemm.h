@@ -12,7 +12,9 @@
 
 namespace specdec {
 
-// x [..., K] float32 (any strides), weight [N, K] float32 -> [..., N] float32 (contiguous).
+// x [..., K] float32 (any strides), weight [N, K] float32, float16 or bfloat16 -> [..., N]
+// float32 (contiguous). A 16-bit weight is widened exactly as it is read and multiplied in
+// float32: half the bytes streamed, the result bitwise that of its float32 copy.
 // block_rows: the weight rows streamed together, 0 for the ISA's block (3 or 4 rows) or 1; the
 // result is bitwise the same either way, only the speed differs.
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows = 0);

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product
+from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product, skinny_block
+from megatron_specdec.models.weight_memory import narrow_copy
 
 
 def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -26,7 +27,14 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return product(weight, x.numel() // max(1, x.shape[-1]))(x, weight)
+    """The measured product; where it is the skinny op and the weight has a narrow copy
+    (weight_memory.narrow_copy: the same values in 16 bits), the op over that copy."""
+    fn = product(weight, x.numel() // max(1, x.shape[-1]))
+    block = skinny_block(fn)
+    narrow = None if block is None else narrow_copy(weight)
+    if narrow is not None:
+        return torch.ops.megatron_specdec.skinny_linear(x, narrow, block)
+    return fn(x, weight)
 
 
 class _SmallRowsMixin:
