@@ -1,10 +1,11 @@
-// Registers the acceptance ops, the decoding skinny GEMM and the decoding layer's ops as torch.ops.megatron_specdec.*
+// Registers the acceptance ops, the decoding skinny GEMM, the greedy output head and the decoding layer's ops as torch.ops.megatron_specdec.*
 // with their CPU kernels.
 // The CUDA kernels register themselves in ops_cuda.cpp (CUDA builds only).
 #include <Python.h>
 #include <torch/library.h>
 
 #include "decode_ops.h"
+#include "greedy_head.h"
 #include "ops.h"
 #include "skinny_gemm.h"
 
@@ -33,6 +34,7 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "float alpha) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight, int block_rows=0) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
+  m.def("greedy_head(Tensor x, Tensor screen, Tensor weight, Tensor bound) -> (Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(
@@ -51,6 +53,7 @@ TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
   m.impl("tree_verify_stochastic", &specdec::tree_verify_stochastic_cpu);
   m.impl("typical_verify", &specdec::typical_verify_cpu);
   m.impl("skinny_linear", &specdec::skinny_linear_cpu);
+  m.impl("greedy_head", &specdec::greedy_head_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("silu_mul", &specdec::silu_mul_cpu);
   m.impl("chain_attention", &specdec::chain_attention_cpu);

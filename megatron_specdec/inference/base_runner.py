@@ -23,12 +23,14 @@ from megatron_specdec.inference.generation import StageRunner
 
 @dataclass
 class BaseOutput:
-    """Last stage only: logits [b, s, V] (full vocabulary), aux [s, b, n_aux*h] (EAGLE3),
-    hidden [s, b, h] (final normed state, Medusa)."""
+    """Last stage only: logits [b, s, V] (full vocabulary), or for a greedy forward their
+    argmax ids [b, s] in `ids` instead; aux [s, b, n_aux*h] (EAGLE3), hidden [s, b, h] (final
+    normed state, Medusa)."""
 
     logits: Optional[Tensor]
     aux: Optional[Tensor]
     hidden: Optional[Tensor]
+    ids: Optional[Tensor] = None
 
     def take(self, index: Tensor) -> "BaseOutput":
         """The draft inputs (aux, hidden) at positions index [b, n] (row b's own positions:
@@ -45,7 +47,8 @@ class BaseOutput:
         def pick(states, dim):
             return None if states is None else states.index_select(dim, rows.to(states.device))
 
-        return BaseOutput(pick(self.logits, 0), pick(self.aux, 1), pick(self.hidden, 1))
+        return BaseOutput(pick(self.logits, 0), pick(self.aux, 1), pick(self.hidden, 1),
+                          pick(self.ids, 0))
 
     @staticmethod
     def cat(outputs) -> "BaseOutput":
@@ -85,13 +88,14 @@ class BaseRunner:
         return self.stage.lengths
 
     def step(self, tokens: Tensor, positions=None, attention_mask=None,
-             last_only: bool = False, counts=None) -> Optional[BaseOutput]:
+             last_only: bool = False, counts=None, greedy: bool = False) -> Optional[BaseOutput]:
         """Append tokens [b, s] to the cache (positions, mask and counts: see
         StageRunner.step); the last stage gets a BaseOutput (with `last_only`, the logits of
-        the last position only: a prefill needs no others)."""
+        the last position only: a prefill needs no others; with `greedy`, argmax ids instead
+        of logits)."""
         started = time.perf_counter()
         logits = self.stage.step(tokens, last_only=last_only, positions=positions,
-                                 attention_mask=attention_mask, counts=counts)
+                                 attention_mask=attention_mask, counts=counts, greedy=greedy)
         if not last_only:  # a prefill is no verify: its cost is not the policy's
             COSTS.record_base(tokens.shape[1], time.perf_counter() - started)
         captured = self.stage.captured
@@ -109,7 +113,8 @@ class BaseRunner:
                 aux.append(captured[i])
         if not self.last:
             return None
-        return BaseOutput(logits, torch.cat(aux, dim=-1) if aux else None, captured.get("final"))
+        return BaseOutput(None if greedy else logits, torch.cat(aux, dim=-1) if aux else None,
+                          captured.get("final"), logits if greedy else None)
 
     def rewind(self, n):
         self.stage.rewind(n)

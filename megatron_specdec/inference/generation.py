@@ -67,9 +67,10 @@ class StageRunner:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, last_only: bool = False, positions=None,
-             attention_mask=None, counts=None):
+             attention_mask=None, counts=None, greedy: bool = False):
         """Logits [b, s, vocab] of `tokens` on the last stage (None elsewhere); with
         `last_only` just the final position's, so a long prefill never holds [b, s, vocab].
+        With `greedy` the argmax ids [b, s] instead (int64; `_greedy`).
 
         Row b's tokens go to its next slots and, by default, take RoPE position = slot and
         attend causally. `counts` [b]: only the last counts[b] tokens of row b are real (a
@@ -92,7 +93,8 @@ class StageRunner:
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
-        return self._logits(hidden[-1:] if last_only else hidden)
+        hidden = self._final_norm(hidden[-1:] if last_only else hidden)
+        return self._greedy(hidden) if greedy else self._logits(hidden)
 
     def _layers(self, hidden, mask):
         """This stage's decoder layers over the cache, recording the outputs named in
@@ -121,24 +123,50 @@ class StageRunner:
                 self.captured[layer.layer_number - 1] = hidden
         return hidden
 
-    def _logits(self, hidden):
-        """Final norm and output layer; the vocab-parallel logits are gathered over TP."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
+    def _final_norm(self, hidden):
+        """The final norm (its output captured for Medusa)."""
         from megatron_specdec.models.layers.decode_layer import norm_decode
-        from megatron_specdec.models.layers.small_rows_linear import rows_linear
 
-        model = self.model
-        hidden = norm_decode(model.decoder.final_layernorm, hidden, self.final_norm_fused)
+        hidden = norm_decode(self.model.decoder.final_layernorm, hidden, self.final_norm_fused)
         if self.capture_final:
             self.captured["final"] = hidden
-        weight = (model.shared_embedding_or_output_weight()
-                  if model.share_embeddings_and_output_weights else model.output_layer.weight)
-        logits = rows_linear(hidden, weight)
-        if model.tp_group.size() > 1:
-            logits = gather_from_tensor_model_parallel_region(logits, group=model.tp_group)
+        return hidden
+
+    def _output_weight(self):
+        model = self.model
+        return (model.shared_embedding_or_output_weight()
+                if model.share_embeddings_and_output_weights else model.output_layer.weight)
+
+    def _logits(self, hidden):
+        """The output layer over normed `hidden` [s, b, h]; the vocab-parallel logits are
+        gathered over TP."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        from megatron_specdec.models.layers.small_rows_linear import rows_linear
+
+        logits = rows_linear(hidden, self._output_weight())
+        if self.model.tp_group.size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, group=self.model.tp_group)
         return logits.transpose(0, 1)[..., : self.vocab_size].float()
 
+    def _greedy(self, hidden):
+        """Argmax ids [b, s] of the logits over normed `hidden` [s, b, h], bitwise those of
+        `_logits` (ties: the lowest id): through the screened greedy head where it runs
+        (models/layers/greedy_head.py: half of the output layer's bytes), else the logits."""
+        from megatron_specdec.models.layers.greedy_head import greedy_head
+
+        s, b, h = hidden.shape
+        weight = self._output_weight()
+        tp = self.model.tp_group
+        offset = tp.rank() * weight.shape[0]
+        rows = max(0, min(weight.shape[0], self.vocab_size - offset))
+        head = greedy_head(weight, rows, s * b) if hidden.dtype == torch.float32 else None
+        if head is None:
+            return self._logits(hidden).argmax(-1)
+        ids, values = head(hidden.transpose(0, 1).reshape(b * s, h))
+        if tp.size() > 1:
+            ids = tp_argmax(values, ids + offset, tp)
+        return ids.view(b, s)
     def rewind(self, n):
         """Drop the last n (int, or per row [b]) cached tokens of each row."""
         self.context.rewind(n)
@@ -160,6 +188,19 @@ class StageRunner:
         if dist.get_world_size(self.pp_group) > 1:
             dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
+
+
+def tp_argmax(values: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
+    """The global argmax ids [N] from each TP rank's best float32 logit `values` [N] at its
+    vocabulary ids `ids` [N]: the largest value, on ties the lowest rank's, that is the lowest
+    id (the argmax of the gathered logits)."""
+    size = group.size()
+    both = torch.stack([values.double(), ids.double()])
+    gathered = [torch.empty_like(both) for _ in range(size)]
+    dist.all_gather(gathered, both, group=group)
+    stacked = torch.stack(gathered)  # [TP, 2, N]
+    best = stacked[:, 0].argmax(0)
+    return stacked[:, 1].gather(0, best[None])[0].long()
 
 
 def left_pad(prompts, pad_id: int, device=None, bucket: Optional[int] = None):
@@ -209,12 +250,12 @@ def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids
     rows = list(range(batch))  # the prompt each batch row answers
     step_input, counts = tokens, lengths
     for _ in range(max_new_tokens):
-        logits = runner.step(step_input, last_only=True, counts=counts)
+        out = runner.step(step_input, last_only=True, counts=counts, greedy=temperature == 0)
         next_tokens = torch.zeros(len(rows), dtype=torch.long, device=tokens.device)
         if runner.last and temperature == 0:
-            next_tokens = logits[:, -1].argmax(-1)
+            next_tokens = out[:, -1]
         elif runner.last:
-            next_tokens = sampler.sample(logits[:, -1], generator)
+            next_tokens = sampler.sample(out[:, -1], generator)
         runner.broadcast_from_last(next_tokens)
         finished = torch.isin(next_tokens, eos) | done
         # One device->host copy per step, not one per row.

@@ -266,13 +266,18 @@ class SpeculativeGenerator:
     def _prefill(self, call: _Call, runner, tokens, lengths, max_length: int):
         """The prompts through the base, the first token of each row (on every rank), and the
         drafter started on the prefill's states (last stage)."""
-        out = call.clock("base", partial(runner.step, last_only=True, counts=lengths), tokens)
+        greedy = call.sampling is None
+        out = call.clock("base", partial(runner.step, last_only=True, counts=lengths,
+                                         greedy=greedy), tokens)
         pending = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
         if runner.last:
-            last = out.logits[:, -1]
-            # Typical acceptance emits the target's argmax after the drafts, as here.
-            pending[:, 0] = last.argmax(-1) if call.sampling is None or self.typical else \
-                call.sampling.sample(last, call.rng)
+            if greedy:
+                pending[:, 0] = out.ids[:, -1]
+            else:
+                last = out.logits[:, -1]
+                # Typical acceptance emits the target's argmax after the drafts, as here.
+                pending[:, 0] = last.argmax(-1) if self.typical else \
+                    call.sampling.sample(last, call.rng)
             call.clock("draft", self.drafter.start, tokens, lengths, pending, out, max_length)
         runner.broadcast_from_last(pending)
         return pending
@@ -338,19 +343,20 @@ class SpeculativeGenerator:
         counts = proposal[:, k]
         n = int(counts.max())
         drafts = proposal[:, :n]
-        out = call.clock("base", runner.step, torch.cat([pending, drafts], dim=1))
+        out = call.clock("base", partial(runner.step, greedy=call.sampling is None),
+                         torch.cat([pending, drafts], dim=1))
         verdict = torch.zeros(batch, n + 2, dtype=torch.long, device=pending.device)
         if runner.last:
-            verdict[:, : n + 1], verdict[:, -1] = self._accept(call, drafts, counts, out.logits)
+            verdict[:, : n + 1], verdict[:, -1] = self._accept(call, drafts, counts, out)
         runner.broadcast_from_last(verdict)
         return verdict[:, -1], counts, verdict[:, : n + 1], out
 
-    def _accept(self, call: _Call, drafts, counts, logits):
+    def _accept(self, call: _Call, drafts, counts, out: BaseOutput):
         """(emitted tokens [b, n + 1] padded with -1, accepted counts [b]) of a chain of
-        counts[b] drafts per row."""
+        counts[b] drafts per row, from the verify forward's argmax ids (greedy) or logits."""
         if call.sampling is None:
-            return greedy_chain_verify(drafts, logits.argmax(-1), counts)
-        s = call.sampling
+            return greedy_chain_verify(drafts, out.ids, counts)
+        s, logits = call.sampling, out.logits
         if self.typical is not None:
             return typical_verify(drafts, logits, counts, temperature=s.temperature,
                                   eps=self.typical.eps, alpha=self.typical.alpha)

@@ -1,0 +1,153 @@
+"""The screened greedy head (csrc/greedy_head.cpp, models/layers/greedy_head.py): the argmax
+id of every row, and its logit, bitwise those of the skinny GEMM's float32 logits and
+torch.argmax, on near-ties, exact ties (lowest id), NaN inputs and weights beyond float16's
+range, on every ISA path; the bound is what keeps the maximum (without it near-ties go wrong);
+a decoding stage's greedy ids equal the argmax of its logits; bad input named."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_specdec import distributed
+from megatron_specdec.acceptance.ops import op_available
+
+pytestmark = pytest.mark.skipif(not op_available("greedy_head"),
+                                reason="megatron_specdec._C is not built with greedy_head")
+
+
+def logits(x, w):
+    return torch.ops.megatron_specdec.skinny_linear(x, w)
+
+
+def close_rows(seed: int, n: int = 3000, k: int = 200):
+    """A weight of n rows in clusters of near-duplicates (rows a float16 rounding apart), so
+    the top logits of a row of x often sit closer than the screen's error."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n // 10, k, generator=g) * 0.05
+    w = centres.repeat_interleave(10, dim=0)
+    return (w + torch.randn(n, k, generator=g) * 1e-5).contiguous()
+
+
+def _check_head(seed: int = 0):
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+
+    w = close_rows(seed)
+    head = GreedyHead(w, w.shape[0])
+    g = torch.Generator().manual_seed(seed + 1)
+    for rows in list(range(1, 17)) + [40]:
+        # Rows of x along a weight row (the top logits then come from its cluster) and random.
+        x = torch.cat([w[torch.randint(0, w.shape[0], (rows // 2,), generator=g)] * 40,
+                       torch.randn(rows - rows // 2, w.shape[1], generator=g)])
+        full = logits(x, w)
+        ids, values = head(x)
+        assert torch.equal(ids, full.argmax(-1)), rows
+        assert torch.equal(values, full.gather(1, ids[:, None])[:, 0]), rows
+
+
+def test_greedy_head_equals_the_argmax_of_the_float32_logits():
+    _check_head()
+
+
+def test_greedy_head_on_every_isa_path():
+    """The lower ISA paths (forced in a fresh process) screen as exactly."""
+    best = torch.ops.megatron_specdec.skinny_linear_isa()
+    paths = ["avx512", "avx2", "scalar"]
+    code = ("import torch, megatron_specdec._C, test_greedy_head as t\n"
+            "assert torch.ops.megatron_specdec.skinny_linear_isa() == '{isa}'\n"
+            "t._check_head(3)\n")
+    for isa in paths[paths.index(best) + 1:]:
+        env = {**os.environ, "SPECDEC_SKINNY_ISA": isa,
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                              os.environ.get("PYTHONPATH", "")])}
+        run = subprocess.run([sys.executable, "-c", code.format(isa=isa)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_bound_is_what_keeps_the_maximum():
+    """With every bound zero (the screened logits trusted as they are) near-ties pick other
+    ids than the float32 argmax: the checks above can fail."""
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+
+    w = close_rows(7)
+    head = GreedyHead(w, w.shape[0])
+    x = w[::10][:200] * 40
+    want = logits(x, w).argmax(-1)
+    assert torch.equal(head(x)[0], want)
+    head.bound = torch.zeros_like(head.bound)
+    assert not torch.equal(head(x)[0], want)
+
+
+def test_ties_nan_and_weights_beyond_float16():
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+
+    w = close_rows(11, n=500)
+    w[120, 0] = w[300, 0] = 1.0  # an exact tie on x = e_0: the lowest id wins
+    w[450, 1] = 1e6  # beyond float16: screened to infinity, computed in float32
+    head = GreedyHead(w, w.shape[0])
+    eye = torch.eye(w.shape[1])
+    x = torch.stack([eye[0], -w[50], torch.full_like(w[0], float("nan")), eye[1]])
+    full = logits(x, w)
+    ids, values = head(x)
+    assert torch.equal(ids, full.argmax(-1)) and ids[0] == 120 and ids[3] == 450
+    assert torch.equal(values[[0, 1, 3]], full.gather(1, ids[:, None])[[0, 1, 3], 0])
+    assert ids[2] == 0 and values[2].isnan()
+
+
+def test_padding_only_slice_offers_nothing():
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+
+    ids, values = GreedyHead(torch.randn(8, 16), 0)(torch.randn(3, 16))
+    assert ids.tolist() == [0, 0, 0] and values.eq(float("-inf")).all()
+
+
+def test_bad_input_named_in_one_line():
+    op = torch.ops.megatron_specdec.greedy_head
+    w = torch.randn(8, 16)
+    cases = [
+        ((torch.randn(2, 16).double(), w.half(), w, torch.ones(8)), "x must be float32"),
+        ((torch.randn(2, 16), w, w, torch.ones(8)), "screen must be float16"),
+        ((torch.randn(2, 16), w.half(), w[:4], torch.ones(8)), "weight must be float32"),
+        ((torch.randn(2, 16), w.half(), w, torch.ones(7)), "bound must be"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message) as info:
+            op(*args)
+        assert "greedy_head" in str(info.value).splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from test_speculative_generation import build
+
+    distributed.initialize(1, 1)
+    return build("eagle3")
+
+
+def test_stage_greedy_ids_equal_the_argmax_of_its_logits(model):
+    """StageRunner.step(greedy=True) through the screened head (checked to be taken) gives the
+    ids of step()'s logits, at 1-8 tokens a forward."""
+    from megatron_specdec.inference.generation import StageRunner
+    from megatron_specdec.models.layers import greedy_head
+    from test_speculative_generation import HF
+
+    vocab = HF["vocab_size"]
+    weight = (model.base.shared_embedding_or_output_weight()
+              if model.base.share_embeddings_and_output_weights
+              else model.base.output_layer.weight)
+    tokens = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(5))
+    by_ids, by_logits = (StageRunner(model.base, 1, 40, vocab) for _ in range(2))
+    by_ids.step(tokens[:, :20], greedy=True)
+    by_logits.step(tokens[:, :20])
+    at = 20
+    for width in (1, 2, 4, 8, 1, 3):
+        if "skinny" in greedy_head.product(weight, width).__name__:
+            assert greedy_head.greedy_head(weight, vocab, width) is not None
+        ids = by_ids.step(tokens[:, at: at + width], greedy=True)
+        want = by_logits.step(tokens[:, at: at + width]).argmax(-1)
+        assert ids.dtype == torch.long and torch.equal(ids, want), width
+        at += width
