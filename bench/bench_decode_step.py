@@ -1,7 +1,9 @@
 """Where a decoding forward's time goes on this machine: the embedded SmolLM2 (fp32, batch 1)
 over a 128-token context, forwards of q = 1, 2, 4, 8, 16 tokens (a plain step, verify forwards)
-through the decoding layer (models/layers/decode_layer.py) and through megatron's
-TransformerLayer forward, beside the weight products alone and the read-bandwidth bound.
+through the decoding path as greedy decoding runs it (the decoding layer,
+models/layers/decode_layer.py, and the argmax ids of the greedy head,
+models/layers/greedy_head.py) and through megatron's TransformerLayer forward to logits,
+beside the weight products alone and the read-bandwidth bound (of the float32 weights).
 With `--draft SPEC_CKPT` (an EAGLE3 checkpoint) the base is that checkpoint's, and a draft
 step (one chained token: the draft layers and its lm_head) is timed too, through the draft's
 decoding path (Eagle3Layer.decode) and through its layers' forward.
@@ -130,7 +132,7 @@ def main():
                 for path in times:
                     set_lean(base, path == "decode")
                     start = time.perf_counter()
-                    runner.step(tokens)
+                    runner.step(tokens, greedy=path == "decode")
                     times[path][q].append((time.perf_counter() - start) * 1e3)
                     runner.rewind(q)
         products = [product(w, 1) for w in weights]
