@@ -177,29 +177,37 @@ def test_decode_layers_bad_input_named_in_one_line():
         return torch.randn(*shape, generator=g) * 0.1
 
     weights = [torch.ones(h), rand(groups * (per + 2) * d, h), None, rand(h, groups * per * d),
-               torch.ones(h), rand(2 * f, h), rand(h, f)]
+               torch.ones(h), rand(2 * f, h), rand(h, f), None]
     keys, values = torch.zeros(8, 1, groups, d), torch.zeros(8, 1, groups, d)
     hidden, cos, sin = rand(2, 1, h), torch.ones(2, d), torch.zeros(2, d)
 
     def call(**change):
-        args = dict(hidden=hidden, weights=weights, eps=[1e-6, 1e-6], keys=[keys], values=[values],
-                    first=0, heads=[groups * per], blocks=[0, 0, 0, 0], capture=[])
+        args = dict(hidden=hidden, weights=weights, eps=[1e-6, 1e-6, 0.0], keys=[keys],
+                    values=[values], first=0, heads=[groups * per], blocks=[0, 0, 0, 0],
+                    capture=[], embeds=None)
         args.update(change)
         return ops.decode_layers(args["hidden"], args["weights"], args["eps"], cos, sin,
                                  args["keys"], args["values"], args["first"], args["heads"],
-                                 [d ** -0.5], args["blocks"], args["capture"])
+                                 [d ** -0.5], args["blocks"], args["capture"], args["embeds"])
 
     assert call()[0].shape == (2, 1, h)
     cases = [
-        (dict(weights=weights[:6]), "weights must hold 7 per layer"),
-        (dict(eps=[1e-6]), "eps must hold 2 per layer"),
+        (dict(weights=weights[:7]), "weights must hold 8 per layer"),
+        (dict(eps=[1e-6, 1e-6]), "eps must hold 3 per layer"),
+        (dict(embeds=rand(2, 1, h)), "takes embeds exactly when it has a hidden_norm"),
+        (dict(weights=weights[:7] + [torch.ones(h)]), "takes embeds exactly when"),
+        (dict(weights=weights[:7] + [torch.ones(h)], embeds=rand(3, 1, h)),
+         r"embeds must be float32 \[2, 1, 64\]"),
+        (dict(weights=weights[:5] + [rand(2 * f, h).double(), weights[6], None]),
+         r"fc1_weight must be float32 \(or a float16 or bfloat16 copy\)"),
         (dict(heads=[4, 4]), "heads and scale must hold one value per layer"),
         (dict(blocks=[0, 0, 0]), "block_rows must hold 4 widths per layer"),
         (dict(blocks=[0, 2, 0, 0]), "block_rows must be 0"),
         (dict(capture=[1]), "capture holds layer 1, expected 0 .. 0"),
         (dict(hidden=rand(2, 2, h)), r"hidden must be float32 \[s, 1, H\]"),
-        (dict(weights=weights[:5] + [rand(2 * f + 1, h), weights[6]]), "fc1_weight must be"),
-        (dict(weights=weights[:3] + [rand(h, 7)] + weights[4:]), r"proj_weight must be float32 \[64, 64\]"),
+        (dict(weights=weights[:5] + [rand(2 * f + 1, h)] + weights[6:]), "fc1_weight must be"),
+        (dict(weights=weights[:3] + [rand(h, 7)] + weights[4:]),
+         r"proj_weight must be float32 \(or a float16 or bfloat16 copy\) \[64, 64\]"),
         (dict(weights=[None] + weights[1:]), "input_norm is required"),
         (dict(first=7), "chain_attention: slots 7..8 do not fit a cache of 8"),
     ]

@@ -268,3 +268,54 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
              str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out), *extra],
             capture_output=True, text=True)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16 values"])
+def test_draft_layer_as_one_op_equals_its_ops_bitwise(weights):
+    """The EAGLE3 draft layer run as the decode_layers op (its attention reading the
+    embedding and the hidden stream) gives bitwise the hidden states and logits of its ops one
+    by one, over a catch-up chunk and chained steps; with weights of bfloat16 values both read
+    the 16-bit copies (weight_memory.narrow_copy)."""
+    from megatron_specdec.inference.embedding import last_stage_embedding
+    from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
+    from megatron_specdec.models.weight_memory import narrow_copy
+
+    distributed.initialize(1, 1)
+    model = build("eagle3")
+    layer = model.draft.layers[0]
+    if not layer.layer_op:
+        pytest.skip("the draft layer does not take the decode_layers op here (no extension)")
+    if weights != "float32":
+        with torch.no_grad():
+            for p in model.draft.parameters():
+                p.copy_(p.bfloat16().float())
+    seq = PROMPT + list(range(7, 7 + 12))
+    out = _prefill(model, seq, len(seq) + 8)
+    embedding = last_stage_embedding(model)
+
+    def run(op: bool):
+        layer.__dict__["layer_op"] = op
+        drafter = Eagle3Drafter(model, embedding)
+        got = []
+        with torch.no_grad():
+            t = len(seq) - 4
+            prefix = type(out)(None, out.aux[: t + 1], None)
+            drafter.start(torch.tensor([seq[: t + 1]]), torch.tensor([t + 1]),
+                          torch.tensor([[seq[t + 1]]]), prefix, len(seq) + 8)
+            got.append(drafter._last)
+            drafter.extend(out.aux[t + 1: t + 3], torch.tensor([seq[t + 2: t + 4]]),
+                           torch.tensor([2]))
+            got.append(drafter._last)
+            for token in (5, 9, 11):
+                drafter._step(drafter._last[0], torch.tensor([[token]]))
+                got.append(drafter._last)
+        return got
+
+    try:
+        one_op, by_ops = run(True), run(False)
+    finally:
+        layer.__dict__.pop("layer_op", None)
+    for (h1, l1), (h2, l2) in zip(one_op, by_ops):
+        assert torch.equal(h1, h2) and torch.equal(l1, l2)
+    narrow = [narrow_copy(linear.weight) for linear in layer.linears]
+    assert all((n is not None) == (weights != "float32") for n in narrow)

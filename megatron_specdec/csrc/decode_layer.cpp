@@ -38,14 +38,23 @@ void add_rows(float* y, int64_t ldy, const float* addend, int64_t ld_addend, int
   }
 }
 
-// input_norm, qkv_weight, qkv_bias (or None), proj_weight, mlp_norm, fc1_weight, fc2_weight.
-constexpr int64_t kWeightsPerLayer = 7;
+// input_norm, qkv_weight, qkv_bias (or None), proj_weight, mlp_norm, fc1_weight, fc2_weight,
+// hidden_norm (or None: an EAGLE3 first layer's norm of the hidden stream).
+constexpr int64_t kWeightsPerLayer = 8;
 
+// A product's weight: float32, or a 16-bit copy of float32 values (weight_memory.narrow_copy).
 at::Tensor weight_of(const at::Tensor& w, int64_t out, int64_t in, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == out && w.size(1) == in,
-              "decode_layer: ", name, " must be float32 [", out, ", ", in, "], got ", w.scalar_type(), " ",
-              w.sizes());
+  const at::ScalarType t = w.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kHalf || t == at::kBFloat16) && w.dim() == 2 && w.size(0) == out &&
+                  w.size(1) == in,
+              "decode_layer: ", name, " must be float32 (or a float16 or bfloat16 copy) [", out, ", ", in, "], got ",
+              t, " ", w.sizes());
   return w.contiguous();
+}
+
+SkinnyOperands product_of(const at::Tensor& x, int64_t ldx, int64_t rows, const at::Tensor& w, at::Tensor& y) {
+  return {x.data_ptr<float>(), ldx, rows, w.const_data_ptr(), w.size(1), w.size(1), y.data_ptr<float>(), w.size(0),
+          weight_kind(w, "decode_layer: a weight")};
 }
 
 at::Tensor norm_of(const at::Tensor& w, int64_t h, const char* name) {
@@ -55,10 +64,12 @@ at::Tensor norm_of(const at::Tensor& w, int64_t h, const char* name) {
 }
 
 // One layer's checked operands and buffers. `run` is called by every thread of the region.
+// `embeds` (defined for an EAGLE3 first layer, with a hidden_norm): the attention reads
+// [input_norm(embeds), hidden_norm(hidden)], 2H wide, and the residual is the hidden stream.
 class LayerPlan {
  public:
-  LayerPlan(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights, int64_t offset,
-            double input_eps, double mlp_eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+  LayerPlan(const at::Tensor& hidden, const at::Tensor& embeds, const c10::List<c10::optional<at::Tensor>>& weights,
+            int64_t offset, const double* eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
             const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows,
             int threads)
       : s_(hidden.size(0)),
@@ -68,10 +79,24 @@ class LayerPlan {
         qkv_w_(required(weights, offset + 1, "qkv_weight")),
         qkv_(at::empty({s_, 1, qkv_w_.size(0)}, x_.options())),
         attention_(qkv_, cos, sin, keys, values, first, heads, scale, threads),
-        eps1_(static_cast<float>(input_eps)),
-        eps2_(static_cast<float>(mlp_eps)) {
+        eps1_(static_cast<float>(eps[0])),
+        eps2_(static_cast<float>(eps[1])),
+        eps3_(static_cast<float>(eps[2])) {
+    const c10::optional<at::Tensor> hidden_norm = weights.get(offset + 7);
+    TORCH_CHECK(hidden_norm.has_value() == embeds.defined(),
+                "decode_layer: a layer takes embeds exactly when it has a hidden_norm (an EAGLE3 first layer), got ",
+                embeds.defined() ? "embeds" : "no embeds", " and ", hidden_norm.has_value() ? "a" : "no",
+                " hidden_norm");
+    if (embeds.defined()) {
+      TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.sizes() == hidden.sizes(),
+                  "decode_layer: embeds must be float32 ", hidden.sizes(), " like hidden, got ", embeds.scalar_type(),
+                  " ", embeds.sizes());
+      embeds_ = embeds.contiguous();
+      norm3_ = norm_of(*hidden_norm, h_, "hidden_norm");
+    }
+    in_ = embeds.defined() ? 2 * h_ : h_;
     const int64_t qkv_out = qkv_w_.size(0), att_width = heads * attention_.d;
-    qkv_w_ = weight_of(qkv_w_, qkv_out, h_, "qkv_weight");
+    qkv_w_ = weight_of(qkv_w_, qkv_out, in_, "qkv_weight");
     const c10::optional<at::Tensor> bias = weights.get(offset + 2);
     if (bias.has_value()) bias_ = norm_of(*bias, qkv_out, "qkv_bias");
     proj_w_ = weight_of(required(weights, offset + 3, "proj_weight"), h_, att_width, "proj_weight");
@@ -83,18 +108,17 @@ class LayerPlan {
     fc1_w_ = weight_of(fc1_in, 2 * f_, h_, "fc1_weight");
     fc2_w_ = weight_of(required(weights, offset + 6, "fc2_weight"), h_, f_, "fc2_weight");
     const auto options = x_.options();
-    normed_ = at::empty({s_, h_}, options);
+    normed_ = at::empty({s_, in_}, options);
     att_ = at::empty({s_, att_width}, options);
     mid_ = at::empty({s_, h_}, options);
     normed2_ = at::empty({s_, h_}, options);
     up_ = at::empty({s_, 2 * f_}, options);
     act_ = at::empty({s_, f_}, options);
     out_ = at::empty({s_, 1, h_}, options);
-    qkv_op_ = {normed_.data_ptr<float>(), h_, s_, qkv_w_.data_ptr<float>(), h_, h_, qkv_.data_ptr<float>(), qkv_out};
-    proj_op_ = {att_.data_ptr<float>(), att_width, s_, proj_w_.data_ptr<float>(), att_width, att_width,
-                mid_.data_ptr<float>(), h_};
-    fc1_op_ = {normed2_.data_ptr<float>(), h_, s_, fc1_w_.data_ptr<float>(), h_, h_, up_.data_ptr<float>(), 2 * f_};
-    fc2_op_ = {act_.data_ptr<float>(), f_, s_, fc2_w_.data_ptr<float>(), f_, f_, out_.data_ptr<float>(), h_};
+    qkv_op_ = product_of(normed_, in_, s_, qkv_w_, qkv_);
+    proj_op_ = product_of(att_, att_width, s_, proj_w_, mid_);
+    fc1_op_ = product_of(normed2_, h_, s_, fc1_w_, up_);
+    fc2_op_ = product_of(act_, f_, s_, fc2_w_, out_);
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(block_rows[i] == 0 || block_rows[i] == 1,
                   "decode_layer: block_rows must be 0 (the ISA's block) or 1, got ", block_rows[i]);
@@ -110,7 +134,16 @@ class LayerPlan {
   void run(int t, int n_threads, float* scratch) const {
     const float* x = x_.data_ptr<float>();
     const auto rows = share(s_, 1, t, n_threads);
-    rms_norm_rows(x, norm1_.data_ptr<float>(), eps1_, h_, normed_.data_ptr<float>(), rows.first, rows.second);
+    if (embeds_.defined()) {
+      float* normed = normed_.data_ptr<float>();
+      for (int64_t r = rows.first; r < rows.second; ++r) {
+        rms_norm_rows(embeds_.data_ptr<float>() + r * h_, norm1_.data_ptr<float>(), eps1_, h_, normed + r * in_, 0,
+                      1);
+        rms_norm_rows(x + r * h_, norm3_.data_ptr<float>(), eps3_, h_, normed + r * in_ + h_, 0, 1);
+      }
+    } else {
+      rms_norm_rows(x, norm1_.data_ptr<float>(), eps1_, h_, normed_.data_ptr<float>(), rows.first, rows.second);
+    }
 #pragma omp barrier
     const int64_t qkv_out = qkv_op_.ldy;
     const auto q = share(qkv_out, width_[0], t, n_threads);
@@ -155,11 +188,11 @@ class LayerPlan {
     return *w;
   }
 
-  int64_t s_, h_, f_ = 0;
+  int64_t s_, h_, f_ = 0, in_ = 0;
   at::Tensor x_, norm1_, qkv_w_, qkv_;
   ChainAttention attention_;
-  float eps1_, eps2_;
-  at::Tensor bias_, proj_w_, norm2_, fc1_w_, fc2_w_;
+  float eps1_, eps2_, eps3_;
+  at::Tensor embeds_, norm3_, bias_, proj_w_, norm2_, fc1_w_, fc2_w_;
   at::Tensor normed_, att_, mid_, normed2_, up_, act_, out_;
   SkinnyOperands qkv_op_{}, proj_op_{}, fc1_op_{}, fc2_op_{};
   int64_t blocks_[4] = {}, width_[4] = {};
@@ -171,20 +204,22 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
                                           at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                                           at::TensorList keys, at::TensorList values, int64_t first,
                                           at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef block_rows,
-                                          at::IntArrayRef capture) {
+                                          at::IntArrayRef capture, const c10::optional<at::Tensor>& embeds) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(values.size()) == layers,
               "decode_layers: keys and values must hold one cache per layer (at least one), got ", keys.size(),
               " and ", values.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers,
               "decode_layers: weights must hold ", kWeightsPerLayer,
-              " per layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight, fc2_weight), "
+              " per layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight, fc2_weight, "
+              "hidden_norm or None), "
               "got ", weights.size(), " for ", layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(heads.size()) == layers && static_cast<int64_t>(scale.size()) == layers,
               "decode_layers: heads and scale must hold one value per layer, got ", heads.size(), " and ",
               scale.size(), " for ", layers, " layers");
-  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 2 * layers, "decode_layers: eps must hold 2 per layer, got ",
-              eps.size(), " for ", layers, " layers");
+  TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * layers,
+              "decode_layers: eps must hold 3 per layer (input, MLP and hidden norms), got ", eps.size(), " for ",
+              layers, " layers");
   TORCH_CHECK(static_cast<int64_t>(block_rows.size()) == 4 * layers,
               "decode_layers: block_rows must hold 4 widths per layer (QKV, output, fc1, fc2), got ", block_rows.size(),
               " for ", layers, " layers");
@@ -198,8 +233,9 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
   std::vector<LayerPlan> plans;
   plans.reserve(layers);
   for (int64_t i = 0; i < layers; ++i) {
-    plans.emplace_back(i == 0 ? hidden : plans.back().output(), weights, kWeightsPerLayer * i, eps[2 * i],
-                       eps[2 * i + 1], cos, sin, keys[i], values[i], first, heads[i], scale[i],
+    plans.emplace_back(i == 0 ? hidden : plans.back().output(),
+                       i == 0 && embeds.has_value() ? *embeds : at::Tensor(), weights, kWeightsPerLayer * i,
+                       eps.data() + 3 * i, cos, sin, keys[i], values[i], first, heads[i], scale[i],
                        block_rows.data() + 4 * i, threads);
   }
   int64_t scratch_size = 0;

@@ -42,7 +42,8 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "int heads, float scale) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor?[] weights, float[] eps, Tensor cos, Tensor sin, Tensor(a!)[] keys, "
-      "Tensor(b!)[] values, int first, int[] heads, float[] scale, int[] block_rows, int[] capture) -> Tensor[]");
+      "Tensor(b!)[] values, int first, int[] heads, float[] scale, int[] block_rows, int[] capture, Tensor? embeds=None) "
+      "-> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {

@@ -475,8 +475,25 @@ int64_t skinny_block_width(int64_t block_rows) {
   }
 }
 
-void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
-  const Operands<float> o{a.x, a.ldx, a.w, a.ldw, a.k, a.y, a.ldy};
+WeightKind weight_kind(const at::Tensor& weight, const char* what) {
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+      return WeightKind::kFloat32;
+    case at::kHalf:
+      return WeightKind::kFloat16;
+    case at::kBFloat16:
+      return WeightKind::kBFloat16;
+    default:
+      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", weight.scalar_type());
+  }
+  return WeightKind::kFloat32;
+}
+
+namespace {
+
+template <typename W>
+void share_of(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
+  const Operands<W> o{a.x, a.ldx, static_cast<const W*>(a.w), a.ldw, a.k, a.y, a.ldy};
   switch (path()) {
 #ifdef SPECDEC_X86
     case Path::kAvx512:
@@ -486,6 +503,19 @@ void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t b
 #endif
     default:
       return run_range<Scalar>(o, a.rows, begin, end, block_rows);
+  }
+}
+
+}  // namespace
+
+void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
+  switch (a.kind) {
+    case WeightKind::kFloat16:
+      return share_of<Half>(a, begin, end, block_rows);
+    case WeightKind::kBFloat16:
+      return share_of<BFloat16>(a, begin, end, block_rows);
+    default:
+      return share_of<float>(a, begin, end, block_rows);
   }
 }
 

@@ -22,16 +22,24 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
 // The instruction-set path skinny_linear_cpu takes on this CPU: "avx512", "avx2" or "scalar".
 std::string skinny_linear_isa();
 
+// How a product's weights are stored: float32, or 16 bits widened exactly as they are read.
+enum class WeightKind { kFloat32, kFloat16, kBFloat16 };
+
+// The kind of a float32, float16 or bfloat16 weight tensor (any other dtype is refused, naming
+// `what`).
+WeightKind weight_kind(const at::Tensor& weight, const char* what);
+
 // A product's raw operands: y[r, n] = x[r, :] . w[n, :] for r < rows, over k in-features.
 struct SkinnyOperands {
   const float* x;
   int64_t ldx;
   int64_t rows;
-  const float* w;
+  const void* w;
   int64_t ldw;
   int64_t k;
   float* y;
   int64_t ldy;
+  WeightKind kind = WeightKind::kFloat32;
 };
 
 // The weight rows one block streams at `block_rows` (0 or 1, as skinny_linear_cpu takes it).

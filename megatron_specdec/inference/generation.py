@@ -154,6 +154,7 @@ class StageRunner:
         `_logits` (ties: the lowest id): through the screened greedy head where it runs
         (models/layers/greedy_head.py: half of the output layer's bytes), else the logits."""
         from megatron_specdec.models.layers.greedy_head import greedy_head
+        from megatron_specdec.models.layers.vocab_parallel import best_over_ranks
 
         s, b, h = hidden.shape
         weight = self._output_weight()
@@ -165,8 +166,9 @@ class StageRunner:
             return self._logits(hidden).argmax(-1)
         ids, values = head(hidden.transpose(0, 1).reshape(b * s, h))
         if tp.size() > 1:
-            ids = tp_argmax(values, ids + offset, tp)
+            ids = best_over_ranks(values, ids + offset, tp)
         return ids.view(b, s)
+
     def rewind(self, n):
         """Drop the last n (int, or per row [b]) cached tokens of each row."""
         self.context.rewind(n)
@@ -188,19 +190,6 @@ class StageRunner:
         if dist.get_world_size(self.pp_group) > 1:
             dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
-
-
-def tp_argmax(values: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
-    """The global argmax ids [N] from each TP rank's best float32 logit `values` [N] at its
-    vocabulary ids `ids` [N]: the largest value, on ties the lowest rank's, that is the lowest
-    id (the argmax of the gathered logits)."""
-    size = group.size()
-    both = torch.stack([values.double(), ids.double()])
-    gathered = [torch.empty_like(both) for _ in range(size)]
-    dist.all_gather(gathered, both, group=group)
-    stacked = torch.stack(gathered)  # [TP, 2, N]
-    best = stacked[:, 0].argmax(0)
-    return stacked[:, 1].gather(0, best[None])[0].long()
 
 
 def left_pad(prompts, pad_id: int, device=None, bucket: Optional[int] = None):

@@ -8,7 +8,9 @@ h. Attention runs over an explicit list of key/value blocks so the same code ser
 training-time test (one block per unrolled step). Drafting at inference (no grad, the
 drafter's DecodeCache) takes `Eagle3Layer.decode` where the layer allows it: the base's decoding
 ops (models/layers/decode_layer.py) without megatron's per-call machinery, about a fifth of a
-one-layer draft step on a 2-core CPU (bench/bench_decode_step.py --draft).
+one-layer draft step on a 2-core CPU (bench/bench_decode_step.py --draft); for a batch-1 chain,
+the whole layer as the base's one decode_layers op, its attention reading the embedding and the
+hidden stream.
 """
 
 from dataclasses import dataclass
@@ -24,16 +26,22 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.decode_layer import (
+    decode_chain,
     fused_norm,
     fused_silu,
     lean_mlp,
     mlp_decode,
     norm_decode,
+    norm_eps,
+    op_blocks,
     residual_add,
 )
+from megatron_specdec.models.layers.linear_kernels import product, skinny_block
 from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.models.weight_memory import narrow_copy
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
 
 KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
@@ -118,10 +126,64 @@ class Eagle3Layer(MegatronModule):
                 self.first and fused_norm(self.hidden_norm),
                 fused_norm(self.pre_mlp_layernorm), fused_silu(self.mlp))
 
+    @property
+    def linears(self) -> tuple:
+        """The four weight products, in the decode_layers op's order: QKV, output, fc1, fc2."""
+        attention, mlp = self.self_attention, self.mlp
+        return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+
+    @cached_property
+    def layer_op(self) -> bool:
+        """Whether a batch-1 chain can run the whole layer as the decode_layers op (as
+        DecodeTransformerLayer.layer_op decides for a base layer): every part one of its ops,
+        every product the skinny op on this machine, one TP rank, no bias."""
+        linears = self.linears
+        return (all(f for f in self.fused[:1] + self.fused[2:]) and (not self.first or self.fused[1])
+                and self.self_attention.chain_op and op_available("decode_layers")
+                and all(linear.tp_group.size() == 1 and linear.bias is None for linear in linears)
+                and not self.config.fp32_residual_connection
+                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
+
+    @cached_property
+    def block_rows(self) -> dict:
+        """{rows: the skinny op's block width for each product} (decode_layer.op_blocks)."""
+        return {}
+
+    def whole(self, hidden_states: Tensor, cache: DecodeCache) -> bool:
+        """Whether `decode` runs as the decode_layers op: a batch-1 chain over a rotary cache,
+        float32, a layer that takes it."""
+        return (cache.chain_start() is not None and cache.rotary is not None and self.layer_op
+                and hidden_states.dtype == torch.float32)
+
+    def blocks(self, rows: int) -> list:
+        return op_blocks(self.linears, self.block_rows, rows)
+
+    @property
+    def op_weights(self) -> tuple:
+        """(weights, epsilons) the decode_layers op takes for this layer; each product's weight
+        through its 16-bit copy where it has one (weight_memory.narrow_copy: a draft trained
+        in bf16 streams half the bytes, the same bits), looked up per call, as the copy
+        follows the weight's values."""
+        def stream(linear):
+            narrow = narrow_copy(linear.weight)
+            return linear.weight if narrow is None else narrow
+
+        qkv, proj, fc1, fc2 = self.linears
+        dtype = qkv.weight.dtype
+        return ([self.input_layernorm.weight, stream(qkv), None, stream(proj),
+                 self.pre_mlp_layernorm.weight, stream(fc1), stream(fc2),
+                 self.hidden_norm.weight if self.first else None],
+                [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype),
+                 norm_eps(self.hidden_norm, dtype) if self.first else 0.0])
+
     def decode(self, hidden_states: Tensor, embeds: Optional[Tensor],
                attention_mask: Optional[Tensor], cache: DecodeCache) -> Tensor:
         """forward's output without grad for new positions over the drafter's `cache` (RoPE
-        angles set on it), by the base's decoding ops in forward's order."""
+        angles set on it), by the base's decoding ops in forward's order: as one
+        decode_layers op where `whole` holds."""
+        if self.whole(hidden_states, cache):
+            return decode_chain([self], hidden_states, cache,
+                                embeds=embeds.contiguous() if self.first else None)[0]
         input_norm, hidden_norm, mlp_norm, silu = self.fused
         if self.first:
             attn_input = torch.cat(

@@ -192,23 +192,29 @@ class DecodeTransformerLayer(TransformerLayer):
         dtype = attention.linear_qkv.weight.dtype
         return ([self.input_layernorm.weight, attention.linear_qkv.weight,
                  attention.linear_qkv.bias, attention.linear_proj.weight,
-                 self.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight],
-                [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype)])
+                 self.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight, None],
+                [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype),
+                 0.0])
 
     def blocks(self, rows: int) -> list:
-        """The skinny op's block width for each of the four products at `rows` rows."""
-        rows = min(rows, INVARIANT_ROWS)
-        found = self.block_rows.get(rows)
-        if found is None:
-            found = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
-                                             for linear in self.linears]
-        return found
+        return op_blocks(self.linears, self.block_rows, rows)
 
 
-def decode_chain(layers, hidden_states, cache: DecodeCache, capture=()) -> list:
+def op_blocks(linears, known: dict, rows: int) -> list:
+    """The skinny op's block width for each of a layer's four products at `rows` rows, kept
+    in `known` by row count."""
+    rows = min(rows, INVARIANT_ROWS)
+    found = known.get(rows)
+    if found is None:
+        found = known[rows] = [skinny_block(product(linear.weight, rows)) for linear in linears]
+    return found
+
+
+def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
     `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
-    one decode_layers op, so the threads stay in one parallel region for the whole run."""
+    one decode_layers op, so the threads stay in one parallel region for the whole run.
+    `embeds`: the first layer is an EAGLE3 first layer reading them beside the hidden states."""
     first = cache.chain_start()
     s = hidden_states.shape[0]
     weights, eps, keys, values, heads, scales, blocks = [], [], [], [], [], [], []
@@ -225,4 +231,4 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=()) -> list:
         blocks += layer.blocks(s)
     return torch.ops.megatron_specdec.decode_layers(
         hidden_states, weights, eps, cos, sin, keys, values, first, heads, scales, blocks,
-        list(capture))
+        list(capture), embeds)

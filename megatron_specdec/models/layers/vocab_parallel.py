@@ -13,12 +13,19 @@ def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
     """Global argmax [N] of logits split over TP (this rank's slice starts at `offset`);
     ties go to the lowest id."""
     group = ps.get_tensor_model_parallel_group()
-    size = dist.get_world_size(group)
     values, index = logits.max(-1)
-    if size == 1:
+    if dist.get_world_size(group) == 1:
         return index + offset
-    both = torch.stack([values.float(), (index + offset).float()])
-    gathered = [torch.empty_like(both) for _ in range(size)]
+    return best_over_ranks(values, index + offset, group)
+
+
+@torch.no_grad()
+def best_over_ranks(values: Tensor, ids: Tensor, group) -> Tensor:
+    """The global argmax ids [N] from each TP rank's largest logits `values` [N] at its
+    vocabulary ids `ids` [N]: the largest value, on ties the lowest rank's (the lowest id, as
+    an argmax over the gathered logits gives)."""
+    both = torch.stack([values.double(), ids.double()])
+    gathered = [torch.empty_like(both) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, both, group=group)
     stacked = torch.stack(gathered)  # [TP, 2, N]
     best = stacked[:, 0].argmax(0)  # first rank with the max = lowest id
