@@ -10,11 +10,12 @@ path too (linear_kernels), and a row's logit does not depend on the rows beside 
 
 Why the screen cannot drop the maximum: for output row n and input x, the float32 logit y_n
 and the screened one z_n each differ from their exact dot products by at most
-gamma_K * sum |w||x| (K products and a fixed sum, gamma_K = K u / (1 - K u), u = 2^-24), and the
-exact ones by |(w - w16) . x| <= ||w - w16|| ||x||. So |y_n - z_n| <= bound_n ||x|| with
-bound_n = ||w_n - w16_n|| + gamma_K (||w_n|| + ||w16_n||), computed here in float64 and widened
+gamma * sum |w||x| (K products summed in lanes, then a fixed sum of the lanes; gamma =
+m u / (1 - m u) with m = K + 8 covering both, u = 2^-24), and the exact ones by
+|(w - w16) . x| <= ||w - w16|| ||x||. So |y_n - z_n| <= bound_n ||x|| with
+bound_n = ||w_n - w16_n|| + gamma (||w_n|| + ||w16_n||), computed here in float64 and widened
 by 8/K for the op's own float32 interval arithmetic (each rounding is at most u |z_n|, and
-|z_n| <= ||w16_n|| ||x|| (1 + gamma_K) is below bound_n ||x|| / gamma_K). The maximum y_a then
+|z_n| <= ||w16_n|| ||x|| (1 + gamma) is below bound_n ||x|| / gamma). The maximum y_a then
 satisfies z_a + bound_a ||x|| >= y_a >= y_j >= z_j - bound_j ||x|| for every j, so it is kept.
 """
 
