@@ -138,7 +138,8 @@ class Eagle3Layer(MegatronModule):
         DecodeTransformerLayer.layer_op decides for a base layer): every part one of its ops,
         every product the skinny op on this machine, one TP rank, no bias."""
         linears = self.linears
-        return (all(f for f in self.fused[:1] + self.fused[2:]) and (not self.first or self.fused[1])
+        input_norm, hidden_norm, mlp_norm, silu = self.fused
+        return (input_norm and mlp_norm and silu and (hidden_norm or not self.first)
                 and self.self_attention.chain_op and op_available("decode_layers")
                 and all(linear.tp_group.size() == 1 and linear.bias is None for linear in linears)
                 and not self.config.fp32_residual_connection
@@ -156,6 +157,7 @@ class Eagle3Layer(MegatronModule):
                 and hidden_states.dtype == torch.float32)
 
     def blocks(self, rows: int) -> list:
+        """The skinny op's block width for each of the four products at `rows` rows."""
         return op_blocks(self.linears, self.block_rows, rows)
 
     @property

@@ -197,6 +197,7 @@ class DecodeTransformerLayer(TransformerLayer):
                  0.0])
 
     def blocks(self, rows: int) -> list:
+        """The skinny op's block width for each of the four products at `rows` rows."""
         return op_blocks(self.linears, self.block_rows, rows)
 
 
