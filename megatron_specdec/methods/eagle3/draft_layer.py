@@ -26,9 +26,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.decode_layer import (
+    LayerOp,
     decode_chain,
     fused_norm,
     fused_silu,
@@ -36,10 +36,8 @@ from megatron_specdec.models.layers.decode_layer import (
     mlp_decode,
     norm_decode,
     norm_eps,
-    op_blocks,
     residual_add,
 )
-from megatron_specdec.models.layers.linear_kernels import product, skinny_block
 from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
 from megatron_specdec.models.weight_memory import narrow_copy
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
@@ -94,7 +92,7 @@ class Eagle3LayerSubmodules:
     mlp: Union[ModuleSpec, type] = IdentityOp
 
 
-class Eagle3Layer(MegatronModule):
+class Eagle3Layer(LayerOp, MegatronModule):
     """One draft decoder layer; `first` selects the two-stream (2h attention input) form."""
 
     def __init__(self, config, submodules: Eagle3LayerSubmodules, layer_number: int = 1,
@@ -126,39 +124,14 @@ class Eagle3Layer(MegatronModule):
                 self.first and fused_norm(self.hidden_norm),
                 fused_norm(self.pre_mlp_layernorm), fused_silu(self.mlp))
 
-    @property
-    def linears(self) -> tuple:
-        """The four weight products, in the decode_layers op's order: QKV, output, fc1, fc2."""
-        attention, mlp = self.self_attention, self.mlp
-        return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
-
     @cached_property
     def layer_op(self) -> bool:
-        """Whether a batch-1 chain can run the whole layer as the decode_layers op (as
-        DecodeTransformerLayer.layer_op decides for a base layer): every part one of its ops,
-        every product the skinny op on this machine, one TP rank, no bias."""
-        linears = self.linears
+        """Whether a batch-1 chain can run the whole layer as the decode_layers op: every part
+        one of its ops, the shared conditions (LayerOp.products_take_op), no bias."""
         input_norm, hidden_norm, mlp_norm, silu = self.fused
         return (input_norm and mlp_norm and silu and (hidden_norm or not self.first)
-                and self.self_attention.chain_op and op_available("decode_layers")
-                and all(linear.tp_group.size() == 1 and linear.bias is None for linear in linears)
-                and not self.config.fp32_residual_connection
-                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
-
-    @cached_property
-    def block_rows(self) -> dict:
-        """{rows: the skinny op's block width for each product} (decode_layer.op_blocks)."""
-        return {}
-
-    def whole(self, hidden_states: Tensor, cache: DecodeCache) -> bool:
-        """Whether `decode` runs as the decode_layers op: a batch-1 chain over a rotary cache,
-        float32, a layer that takes it."""
-        return (cache.chain_start() is not None and cache.rotary is not None and self.layer_op
-                and hidden_states.dtype == torch.float32)
-
-    def blocks(self, rows: int) -> list:
-        """The skinny op's block width for each of the four products at `rows` rows."""
-        return op_blocks(self.linears, self.block_rows, rows)
+                and all(linear.bias is None for linear in self.linears)
+                and self.products_take_op())
 
     @property
     def op_weights(self) -> tuple:

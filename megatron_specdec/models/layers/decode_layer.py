@@ -98,7 +98,52 @@ def residual_add(out, bias, residual):
     return out + residual
 
 
-class DecodeTransformerLayer(TransformerLayer):
+class LayerOp:
+    """What a decoding layer (a base layer, an EAGLE3 draft layer) needs to run as the
+    decode_layers op: its four products, the conditions every such layer shares, the skinny
+    op's block widths and whether a call takes the op. The layer adds its own conditions
+    (`layer_op`) and operands (`op_weights`)."""
+
+    @property
+    def linears(self) -> tuple:
+        """The four weight products, in the decode_layers op's order: QKV, output, fc1, fc2."""
+        attention, mlp = self.self_attention, self.mlp
+        return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+
+    def products_take_op(self) -> bool:
+        """The shared conditions: a chain-op attention, the extension built, one TP rank, no
+        fp32 residual, every weight product the skinny op on this machine."""
+        linears = self.linears
+        return (self.self_attention.chain_op and op_available("decode_layers")
+                and all(linear.tp_group.size() == 1 for linear in linears)
+                and not self.config.fp32_residual_connection
+                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
+
+    @cached_property
+    def block_rows(self) -> dict:
+        """{rows (at most INVARIANT_ROWS): the skinny op's block width for each of the layer's
+        four products}, filled as row counts come; a chain longer than INVARIANT_ROWS (a
+        prefill) takes the widest bucket's, as the op computes every row with the skinny
+        product."""
+        return {}
+
+    def blocks(self, rows: int) -> list:
+        """The skinny op's block width for each of the four products at `rows` rows."""
+        rows = min(rows, INVARIANT_ROWS)
+        found = self.block_rows.get(rows)
+        if found is None:
+            found = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
+                                             for linear in self.linears]
+        return found
+
+    def whole(self, hidden_states, cache: DecodeCache) -> bool:
+        """Whether `decode` of `hidden_states` runs as the decode_layers op: a batch-1 chain
+        over a rotary cache, float32, a layer that takes it."""
+        return (cache.chain_start() is not None and cache.rotary is not None and self.layer_op
+                and hidden_states.dtype == torch.float32)
+
+
+class DecodeTransformerLayer(LayerOp, TransformerLayer):
     """megatron's TransformerLayer with the decoding path above; parameters, checkpoints and
     every other forward unchanged."""
 
@@ -138,38 +183,15 @@ class DecodeTransformerLayer(TransformerLayer):
         return (fused_norm(self.input_layernorm), fused_norm(self.pre_mlp_layernorm),
                 fused_silu(self.mlp))
 
-    @property
-    def linears(self) -> tuple:
-        """The four weight products, in the decode_layer op's order: QKV, output, fc1, fc2."""
-        attention, mlp = self.self_attention, self.mlp
-        return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
-
     @cached_property
     def layer_op(self) -> bool:
-        """Whether a batch-1 chain can run the whole layer as the C++ decode_layer op: every
-        part one of the ops above, every weight product the skinny op on this machine, one TP
-        rank, and no bias but the QKV product's own."""
-        attention, linears = self.self_attention, self.linears
-        return (all(self.fused) and attention.chain_op and op_available("decode_layers")
-                and all(linear.tp_group.size() == 1 for linear in linears)
-                and all(linear.bias is None for linear in linears[1:])
+        """Whether a batch-1 chain can run the whole layer as the decode_layers op: every part
+        one of the ops above, the shared conditions (LayerOp.products_take_op), and no bias but
+        the QKV product's own."""
+        linears = self.linears
+        return (all(self.fused) and all(linear.bias is None for linear in linears[1:])
                 and (linears[0].bias is None or not linears[0].skip_bias_add)
-                and not self.config.fp32_residual_connection
-                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
-
-    @cached_property
-    def block_rows(self) -> dict:
-        """{rows (at most INVARIANT_ROWS): the skinny op's block width for each of the layer's
-        four products}, filled as row counts come; a chain longer than INVARIANT_ROWS (a
-        prefill) takes the widest bucket's, as the op computes every row with the skinny
-        product."""
-        return {}
-
-    def whole(self, hidden_states, cache: DecodeCache) -> bool:
-        """Whether `decode` of `hidden_states` runs as the decode_layers op: a batch-1 chain
-        over a rotary cache, float32, a layer that takes it."""
-        return (cache.chain_start() is not None and cache.rotary is not None and self.layer_op
-                and hidden_states.dtype == torch.float32)
+                and self.products_take_op())
 
     def decode(self, hidden_states, attention_mask, cache: DecodeCache):
         """The layer's output [s, b, h] for new tokens `hidden_states` over `cache`."""
@@ -195,21 +217,6 @@ class DecodeTransformerLayer(TransformerLayer):
                  self.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight, None],
                 [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype),
                  0.0])
-
-    def blocks(self, rows: int) -> list:
-        """The skinny op's block width for each of the four products at `rows` rows."""
-        return op_blocks(self.linears, self.block_rows, rows)
-
-
-def op_blocks(linears, known: dict, rows: int) -> list:
-    """The skinny op's block width for each of a layer's four products at `rows` rows, kept
-    in `known` by row count."""
-    rows = min(rows, INVARIANT_ROWS)
-    found = known.get(rows)
-    if found is None:
-        found = known[rows] = [skinny_block(product(linear.weight, rows)) for linear in linears]
-    return found
-
 
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
