@@ -491,51 +491,41 @@ WeightKind weight_kind(const at::Tensor& weight, const char* what) {
 
 namespace {
 
-template <typename W>
-void share_of(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
-  const Operands<W> o{a.x, a.ldx, static_cast<const W*>(a.w), a.ldw, a.k, a.y, a.ldy};
-  switch (path()) {
-#ifdef SPECDEC_X86
-    case Path::kAvx512:
-      return run_range<Avx512>(o, a.rows, begin, end, block_rows);
-    case Path::kAvx2:
-      return run_range<Avx2>(o, a.rows, begin, end, block_rows);
-#endif
+// fn(W{}) for the element type the weights are stored in: the one switch over WeightKind.
+template <typename Fn>
+void with_weight_type(WeightKind kind, Fn&& fn) {
+  switch (kind) {
+    case WeightKind::kFloat16:
+      return fn(Half{});
+    case WeightKind::kBFloat16:
+      return fn(BFloat16{});
     default:
-      return run_range<Scalar>(o, a.rows, begin, end, block_rows);
+      return fn(float{});
   }
+}
+
+template <typename W>
+Operands<W> operands_of(const SkinnyOperands& a) {
+  return {a.x, a.ldx, static_cast<const W*>(a.w), a.ldw, a.k, a.y, a.ldy};
 }
 
 }  // namespace
 
 void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
-  switch (a.kind) {
-    case WeightKind::kFloat16:
-      return share_of<Half>(a, begin, end, block_rows);
-    case WeightKind::kBFloat16:
-      return share_of<BFloat16>(a, begin, end, block_rows);
-    default:
-      return share_of<float>(a, begin, end, block_rows);
-  }
-}
-
-namespace {
-
-template <typename W>
-void run_path(const Operands<W>& o, int64_t rows, int64_t out_features, int64_t block_rows) {
-  switch (path()) {
+  with_weight_type(a.kind, [&](auto element) {
+    const auto o = operands_of<decltype(element)>(a);
+    switch (path()) {
 #ifdef SPECDEC_X86
-    case Path::kAvx512:
-      return run<Avx512>(o, rows, out_features, block_rows);
-    case Path::kAvx2:
-      return run<Avx2>(o, rows, out_features, block_rows);
+      case Path::kAvx512:
+        return run_range<Avx512>(o, a.rows, begin, end, block_rows);
+      case Path::kAvx2:
+        return run_range<Avx2>(o, a.rows, begin, end, block_rows);
 #endif
-    default:
-      return run<Scalar>(o, rows, out_features, block_rows);
-  }
+      default:
+        return run_range<Scalar>(o, a.rows, begin, end, block_rows);
+    }
+  });
 }
-
-}  // namespace
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows) {
   TORCH_CHECK(block_rows == 0 || block_rows == 1, "skinny_linear: block_rows must be 0 (the ISA's block) or 1 ",
@@ -559,19 +549,21 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
   const int64_t m = rows.size(0);
   at::Tensor y = at::empty({m, out_features}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0 || out_features == 0) return y.view(sizes);
-  if (wt == at::kHalf) {
-    const Operands<Half> o{rows.data_ptr<float>(), rows.stride(0), static_cast<const Half*>(w.const_data_ptr()),
-                           w.stride(0), k, y.data_ptr<float>(), out_features};
-    run_path(o, m, out_features, block_rows);
-  } else if (wt == at::kBFloat16) {
-    const Operands<BFloat16> o{rows.data_ptr<float>(), rows.stride(0), static_cast<const BFloat16*>(w.const_data_ptr()),
-                               w.stride(0), k, y.data_ptr<float>(), out_features};
-    run_path(o, m, out_features, block_rows);
-  } else {
-    const Operands<float> o{rows.data_ptr<float>(), rows.stride(0), w.data_ptr<float>(), w.stride(0), k,
-                            y.data_ptr<float>(), out_features};
-    run_path(o, m, out_features, block_rows);
-  }
+  const SkinnyOperands a{rows.data_ptr<float>(), rows.stride(0), m, w.const_data_ptr(), w.stride(0), k,
+                         y.data_ptr<float>(), out_features, weight_kind(w, "skinny_linear: weight")};
+  with_weight_type(a.kind, [&](auto element) {
+    const auto o = operands_of<decltype(element)>(a);
+    switch (path()) {
+#ifdef SPECDEC_X86
+      case Path::kAvx512:
+        return run<Avx512>(o, m, out_features, block_rows);
+      case Path::kAvx2:
+        return run<Avx2>(o, m, out_features, block_rows);
+#endif
+      default:
+        return run<Scalar>(o, m, out_features, block_rows);
+    }
+  });
   return y.view(sizes);
 }
 
