@@ -21,6 +21,7 @@ satisfies z_a + bound_a ||x|| >= y_a >= y_j >= z_j - bound_j ||x|| for every j, 
 
 import math
 import weakref
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -65,6 +66,14 @@ class GreedyHead:
 _heads = {}
 
 
+@lru_cache(maxsize=None)
+def _vector_op() -> bool:
+    """Whether the op is built and the skinny GEMM takes a vector path (fixed for the
+    process: asked once, not every step)."""
+    return (op_available("greedy_head")
+            and torch.ops.megatron_specdec.skinny_linear_isa() != "scalar")
+
+
 def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
     """The screened head of rows [0, rows) of `weight` for a forward of `tokens` rows of x,
     or None where the logits path must run: a weight that is not float32 on the CPU, more rows
@@ -73,8 +82,7 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
     widening of float16 is slower than the float32 product it saves). The answer is the same on every TP rank. (A weight
     beyond float16's range screens to infinities, and the op computes such rows in float32.)"""
     if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.stride(1) != 1
-            or not 1 <= tokens <= INVARIANT_ROWS or not op_available("greedy_head")
-            or torch.ops.megatron_specdec.skinny_linear_isa() == "scalar"
+            or not 1 <= tokens <= INVARIANT_ROWS or not _vector_op()
             or skinny_block(product(weight, tokens)) is None):
         return None
     key = (weight.data_ptr(), weight._version, rows)
