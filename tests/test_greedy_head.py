@@ -4,11 +4,6 @@ torch.argmax, on near-ties, exact ties (lowest id), NaN inputs and weights beyon
 range, on every ISA path; the bound is what keeps the maximum (without it near-ties go wrong);
 a decoding stage's greedy ids equal the argmax of its logits; bad input named."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -54,18 +49,9 @@ def test_greedy_head_equals_the_argmax_of_the_float32_logits():
 
 def test_greedy_head_on_every_isa_path():
     """The lower ISA paths (forced in a fresh process) screen as exactly."""
-    best = torch.ops.megatron_specdec.skinny_linear_isa()
-    paths = ["avx512", "avx2", "scalar"]
-    code = ("import torch, megatron_specdec._C, test_greedy_head as t\n"
-            "assert torch.ops.megatron_specdec.skinny_linear_isa() == '{isa}'\n"
-            "t._check_head(3)\n")
-    for isa in paths[paths.index(best) + 1:]:
-        env = {**os.environ, "SPECDEC_SKINNY_ISA": isa,
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                              os.environ.get("PYTHONPATH", "")])}
-        run = subprocess.run([sys.executable, "-c", code.format(isa=isa)], env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
+    from test_skinny_gemm import on_lower_isa_paths
+
+    on_lower_isa_paths("import test_greedy_head as t\nt._check_head(3)\n")
 
 
 def test_the_bound_is_what_keeps_the_maximum():

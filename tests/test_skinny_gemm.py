@@ -97,24 +97,32 @@ def test_narrow_weights_bitwise_their_float32_copy():
     _narrow_weights()
 
 
-def test_row_invariant_on_every_isa_path():
-    """The lower ISA paths (forced by SPECDEC_SKINNY_ISA in a fresh process) are as correct
-    and as row-invariant as the one this CPU takes."""
+def on_lower_isa_paths(body: str):
+    """Run `body` (Python, with `torch` and `megatron_specdec._C` imported) in a fresh process
+    on each ISA path below the one this CPU takes (forced by SPECDEC_SKINNY_ISA), the tests
+    directory importable; each run must exit cleanly."""
     best = torch.ops.megatron_specdec.skinny_linear_isa()
     paths = ["avx512", "avx2", "scalar"]
-    code = ("import torch, megatron_specdec._C, torch.nn.functional as F, test_skinny_gemm as t\n"
-            "assert torch.ops.megatron_specdec.skinny_linear_isa() == '{isa}'\n"
-            "for k in (576, 13): t._invariance(k)\n"
-            "t._narrow_weights()\n"
-            "w, x = torch.randn(37, 100), torch.randn(7, 100)\n"
-            "torch.testing.assert_close(t.skinny(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)\n")
     for isa in paths[paths.index(best) + 1:]:
+        code = ("import torch, megatron_specdec._C\n"
+                f"assert torch.ops.megatron_specdec.skinny_linear_isa() == '{isa}'\n" + body)
         env = {**os.environ, "SPECDEC_SKINNY_ISA": isa,
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                               os.environ.get("PYTHONPATH", "")])}
-        run = subprocess.run([sys.executable, "-c", code.format(isa=isa)], env=env,
+        run = subprocess.run([sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.returncode == 0, (isa, run.stderr[-2000:])
+
+
+def test_row_invariant_on_every_isa_path():
+    """The lower ISA paths (forced by SPECDEC_SKINNY_ISA in a fresh process) are as correct
+    and as row-invariant as the one this CPU takes."""
+    on_lower_isa_paths(
+        "import torch.nn.functional as F, test_skinny_gemm as t\n"
+        "for k in (576, 13): t._invariance(k)\n"
+        "t._narrow_weights()\n"
+        "w, x = torch.randn(37, 100), torch.randn(7, 100)\n"
+        "torch.testing.assert_close(t.skinny(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)\n")
 
 
 def test_bad_input_named_in_one_line():
