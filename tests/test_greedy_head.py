@@ -1,8 +1,9 @@
 """The screened greedy head (csrc/greedy_head.cpp, models/layers/greedy_head.py): the argmax
 id of every row, and its logit, bitwise those of the skinny GEMM's float32 logits and
-torch.argmax, on near-ties, exact ties (lowest id), NaN inputs and weights beyond float16's
-range, on every ISA path; the bound is what keeps the maximum (without it near-ties go wrong);
-a decoding stage's greedy ids equal the argmax of its logits; bad input named."""
+torch.argmax, on near-ties, exact ties (lowest id), NaN, zero and huge inputs, weights of any
+range and rows that are not finite, on every ISA path; the bound is what keeps the maximum
+(without it near-ties go wrong); a decoding stage's greedy ids equal the argmax of its logits;
+bad input named."""
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ def logits(x, w):
 
 
 def close_rows(seed: int, n: int = 3000, k: int = 200):
-    """A weight of n rows in clusters of near-duplicates (rows a float16 rounding apart), so
-    the top logits of a row of x often sit closer than the screen's error."""
+    """A weight of n rows in clusters of near-duplicates (rows far closer than an int8
+    rounding), so the top logits of a row of x often sit closer than the screen's error."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(n // 10, k, generator=g) * 0.05
     w = centres.repeat_interleave(10, dim=0)
@@ -68,20 +69,30 @@ def test_the_bound_is_what_keeps_the_maximum():
     assert not torch.equal(head(x)[0], want)
 
 
-def test_ties_nan_and_weights_beyond_float16():
+def test_ties_nan_zero_and_rows_of_any_range():
     from megatron_specdec.models.layers.greedy_head import GreedyHead
 
     w = close_rows(11, n=500)
     w[120, 0] = w[300, 0] = 1.0  # an exact tie on x = e_0: the lowest id wins
-    w[450, 1] = 1e6  # beyond float16: screened to infinity, computed in float32
-    head = GreedyHead(w, w.shape[0])
+    w[450, 1] = 1e6  # a row of its own range: its own scale
+    w[451] *= 1e-30
     eye = torch.eye(w.shape[1])
-    x = torch.stack([eye[0], -w[50], torch.full_like(w[0], float("nan")), eye[1]])
+    x = torch.stack([eye[0], -w[50], torch.full_like(w[0], float("nan")), eye[1],
+                     torch.zeros_like(w[0]), w[451] * 1e30, w[7] * 1e30])
     full = logits(x, w)
-    ids, values = head(x)
+    ids, values = GreedyHead(w, w.shape[0])(x)
     assert torch.equal(ids, full.argmax(-1)) and ids[0] == 120 and ids[3] == 450
-    assert torch.equal(values[[0, 1, 3]], full.gather(1, ids[:, None])[[0, 1, 3], 0])
+    finite = [0, 1, 3, 4, 5, 6]
+    assert torch.equal(values[finite], full.gather(1, ids[:, None])[finite, 0])
     assert ids[2] == 0 and values[2].isnan()
+    # A row that is not finite is computed in float32: it wins where its logit is +inf or
+    # NaN, and loses where it is -inf.
+    w[460, 2] = float("inf")
+    x = torch.stack([eye[2], -eye[2], eye[3], x[1]])
+    full = logits(x, w)
+    ids, values = GreedyHead(w, w.shape[0])(x)
+    assert torch.equal(ids, full.argmax(-1)) and ids[0] == 460 and ids[1] != 460
+    assert torch.equal(values[:2], full.gather(1, ids[:, None])[:2, 0])
 
 
 def test_padding_only_slice_offers_nothing():
@@ -94,11 +105,14 @@ def test_padding_only_slice_offers_nothing():
 def test_bad_input_named_in_one_line():
     op = torch.ops.megatron_specdec.greedy_head
     w = torch.randn(8, 16)
+    s, b = torch.ones(8), torch.ones(2, 8)
+    q = w.to(torch.int8)
     cases = [
-        ((torch.randn(2, 16).double(), w.half(), w, torch.ones(8)), "x must be float32"),
-        ((torch.randn(2, 16), w, w, torch.ones(8)), "screen must be float16"),
-        ((torch.randn(2, 16), w.half(), w[:4], torch.ones(8)), "weight must be float32"),
-        ((torch.randn(2, 16), w.half(), w, torch.ones(7)), "bound must be"),
+        ((torch.randn(2, 16).double(), q, s, w, b), "x must be float32"),
+        ((torch.randn(2, 16), w.half(), s, w, b), "screen must be contiguous int8"),
+        ((torch.randn(2, 16), q, s[:7], w, b), "scale must be"),
+        ((torch.randn(2, 16), q, s, w[:4], b), "weight must be float32"),
+        ((torch.randn(2, 16), q, s, w, torch.ones(8)), "bound must be"),
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message) as info:

@@ -1,4 +1,9 @@
 // The greedy output head (see greedy_head.h).
+//
+// One pass over the int8 screen: each thread sums its weight rows against every row of x in
+// int32, turns each sum into a screened logit and its interval as it goes, keeps the running
+// largest lower end per row of x and every row whose upper end reaches it so far; the threads'
+// lists are then cut at the largest lower end of all, and the rows left are computed in float32.
 #include "greedy_head.h"
 
 #include "skinny_gemm.h"
@@ -7,16 +12,365 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#define SPECDEC_X86 1
 #endif
 
 namespace specdec {
 namespace {
+
+// The screen's path: int8 x int16 products summed in int32 lanes. Every path sums the same
+// integers exactly, so the screened logits are the same bits on every CPU.
+enum class IntPath { kScalar, kAvx2, kVnni };
+
+// AVX-512 VNNI where the skinny GEMM takes its AVX-512 path and the CPU has it, AVX2 where the
+// skinny GEMM takes a vector path (SPECDEC_SKINNY_ISA moves both down), else scalar.
+IntPath int_path() {
+  static const IntPath chosen = [] {
+    const std::string isa = skinny_linear_isa();
+#ifdef SPECDEC_X86
+    __builtin_cpu_init();
+    if (isa == "avx512" && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vnni")) {
+      return IntPath::kVnni;
+    }
+    if (isa != "scalar") return IntPath::kAvx2;
+#endif
+    return IntPath::kScalar;
+  }();
+  return chosen;
+}
+
+// The largest |p| of a row of x: K products of |q| <= 127 and |p| <= qmax sum within int32.
+int32_t screen_qmax(int64_t k) {
+  return static_cast<int32_t>(
+      std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (127 * std::max<int64_t>(1, k))));
+}
+
+// A float64 value as the nearest float32 at or above it.
+float up(double v) {
+  float f = static_cast<float>(v);
+  if (f < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
+// A row of x as 16-bit integers, x ~ t p with |p| <= qmax, and the norms its bound takes:
+// X >= ||x||, E >= ||x - t p||. `screened` is false where the row cannot be screened (a value
+// not finite, all zeros, a scale that underflows): its logits are all computed in float32.
+struct RowOfX {
+  float t = 0.f, X = 0.f, E = 0.f;
+  bool screened = false;
+
+  RowOfX(const float* x, int64_t k, int32_t qmax, int16_t* p) {
+    float amax = 0.f;
+    double squares = 0.0;
+    for (int64_t i = 0; i < k; ++i) {
+      amax = std::max(amax, std::fabs(x[i]));  // a NaN fails the checks below through squares
+      squares += static_cast<double>(x[i]) * x[i];
+    }
+    const float scale = amax / static_cast<float>(qmax);
+    if (!std::isfinite(squares) || !(amax > 0.f) || !std::isnormal(scale)) return;
+    double error = 0.0;
+    for (int64_t i = 0; i < k; ++i) {
+      const float q = std::min(std::max(std::nearbyint(x[i] / scale), -static_cast<float>(qmax)),
+                               static_cast<float>(qmax));
+      p[i] = static_cast<int16_t>(q);
+      const double d = static_cast<double>(x[i]) - static_cast<double>(scale) * q;  // t p: exact in float64
+      error += d * d;
+    }
+    // Each float64 sum is within K 2^-53 of its value: a 2^-30 widening covers it.
+    t = scale;
+    X = up(std::sqrt(squares) * (1 + 0x1p-30));
+    E = up(std::sqrt(error) * (1 + 0x1p-30));
+    screened = std::isfinite(X);
+  }
+};
+
+struct IntOperands {
+  const int8_t* q;  // [N, k] int8, rows contiguous
+  int64_t n;
+  int64_t k;
+  const int16_t* p;  // [m, kp] int16, kp >= k a multiple of 32, zero past k
+  int64_t kp;
+  const float* scale;  // [N]
+  const float* a;  // [N]: bound[0]
+  const float* c;  // [N]: bound[1]
+  // t, X and E of the rows of x, zero past m to a multiple of 4 (the vector epilogue's rows).
+  const float* t;
+  const float* X;
+  const float* E;
+};
+
+// What one thread's share of the weight rows leaves for each row of x: the largest lower end
+// of its screened logits, the rows whose upper end reached a running lower end when they were
+// scored (a superset of those that reach the largest), and whether a screened logit was not
+// finite (the row of x then falls back). The running lower ends are kept in 16 lanes a group of
+// four rows of x, lane (n mod 4) 4 + (r mod 4) for weight row n and row r of x, as the
+// AVX-512 epilogue holds them.
+struct Kept {
+  // Covers what underflow can take from the relative bounds (models/layers/greedy_head.py).
+  static constexpr float kSlack = 0x1p-100f;
+  const IntOperands& o;
+  std::vector<float> lanes;
+  std::vector<std::vector<std::pair<float, int64_t>>> high;
+  std::vector<char> bad;
+
+  Kept(const IntOperands& o, int64_t m)
+      : o(o), lanes((m + 3) / 4 * 16, -std::numeric_limits<float>::infinity()), high(m), bad(m, 0) {}
+
+  void add(int64_t r, int64_t n, int32_t d) {
+    const float z = (o.scale[n] * o.t[r]) * static_cast<float>(d);
+    if (!std::isfinite(z)) bad[r] = 1;
+    const float b = std::fma(o.a[n], o.X[r], o.c[n] * o.E[r]) + kSlack;
+    float& low = lanes[r / 4 * 16 + n % 4 * 4 + r % 4];
+    low = std::max(low, z - b);
+    if (z + b >= low) high[r].emplace_back(z + b, n);
+  }
+
+  float low(int64_t r) const {
+    float out = -std::numeric_limits<float>::infinity();
+    for (int l = 0; l < 4; ++l) out = std::max(out, lanes[r / 4 * 16 + l * 4 + r % 4]);
+    return out;
+  }
+};
+
+// Rows [n0, n0 + NB) of the weight against rows [r0, r0 + MB) of x.
+template <int NB, int MB>
+void int_block_scalar(Kept& kept, int64_t n0, int64_t r0) {
+  const IntOperands& o = kept.o;
+  for (int r = 0; r < MB; ++r) {
+    for (int n = 0; n < NB; ++n) {
+      int32_t d = 0;
+      for (int64_t i = 0; i < o.k; ++i) d += int32_t{o.q[(n0 + n) * o.k + i]} * o.p[(r0 + r) * o.kp + i];
+      kept.add(r0 + r, n0 + n, d);
+    }
+  }
+}
+
+#ifdef SPECDEC_X86
+// The screen is read into L2 this many blocks ahead, two lines per 32 columns of a block of
+// four rows: left to the hardware alone, one row of x took 1.4 ms where it now takes 1.0 (a
+// 49152 x 576 screen, Intel Xeon with AMX, 2 cores; one block ahead or into L1, 1.05-1.1).
+constexpr int64_t kBlocksAhead = 3;
+
+// The sums of 16 int32 vectors in one, lane l holding v[kSumOrder[l]]'s (vector_sums.h's
+// shuffles; integer sums are exact in any order).
+__attribute__((target("avx512f"), always_inline)) inline __m512i shuffle4(__m512i a, __m512i b, const int imm) {
+  return _mm512_castps_si512(_mm512_shuffle_f32x4(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm));
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512i shuffle(__m512i a, __m512i b, const int imm) {
+  return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm));
+}
+
+// The sums of 16 int32 vectors in one, lane l holding v[kSumOrder[l]]'s (vector_sums.h's
+// shuffles; integer sums are exact in any order).
+__attribute__((target("avx512f"))) inline __m512i sum16(const __m512i (&v)[16]) {
+  __m512i a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j) {
+    a[j] = _mm512_add_epi32(shuffle4(v[2 * j], v[2 * j + 1], 0x44), shuffle4(v[2 * j], v[2 * j + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {
+    b[j] = _mm512_add_epi32(shuffle4(a[2 * j], a[2 * j + 1], 0x88), shuffle4(a[2 * j], a[2 * j + 1], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {
+    c[j] = _mm512_add_epi32(shuffle(b[2 * j], b[2 * j + 1], 0x44), shuffle(b[2 * j], b[2 * j + 1], 0xEE));
+  }
+  return _mm512_add_epi32(shuffle(c[0], c[1], 0x88), shuffle(c[0], c[1], 0xDD));
+}
+
+// The four values of v from n0, each over four lanes (lane l: v[n0 + l / 4]).
+__attribute__((target("avx512f"))) inline __m512 by_n(const float* v, int64_t n0) {
+  const __m512i quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(quarter, _mm512_broadcast_f32x4(_mm_loadu_ps(v + n0)));
+}
+
+// The four values of v from r0, repeated (lane l: v[r0 + l % 4]).
+__attribute__((target("avx512f"))) inline __m512 by_r(const float* v, int64_t r0) {
+  return _mm512_broadcast_f32x4(_mm_loadu_ps(v + r0));
+}
+
+// Kept::add for a block of 4 weight rows from n0 and rows r0 .. r0 + rows - 1 of x at once: d
+// holds D[r0 + r][n0 + n] in lane 4 n + r (sum16 of the accumulators indexed 4 r + n).
+__attribute__((target("avx512f"))) void add16(Kept& kept, int64_t n0, int64_t r0, int rows, __m512i d) {
+  const IntOperands& o = kept.o;
+  const __mmask16 valid = static_cast<__mmask16>(0x1111 * ((1u << rows) - 1u));
+  const __m512 z = _mm512_mul_ps(_mm512_mul_ps(by_n(o.scale, n0), by_r(o.t, r0)), _mm512_cvtepi32_ps(d));
+  const __m512 b = _mm512_add_ps(
+      _mm512_fmadd_ps(by_n(o.a, n0), by_r(o.X, r0), _mm512_mul_ps(by_n(o.c, n0), by_r(o.E, r0))),
+      _mm512_set1_ps(Kept::kSlack));
+  const __m512 hi = _mm512_add_ps(z, b);
+  float* lanes = kept.lanes.data() + r0 / 4 * 16;
+  const __m512 low = _mm512_max_ps(_mm512_loadu_ps(lanes), _mm512_sub_ps(z, b));
+  _mm512_mask_storeu_ps(lanes, valid, low);
+  // z * 0 is NaN exactly where z is not finite.
+  const __mmask16 bad = _mm512_mask_cmp_ps_mask(valid, _mm512_mul_ps(z, _mm512_setzero_ps()),
+                                                _mm512_setzero_ps(), _CMP_UNORD_Q);
+  const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, hi, low, _CMP_GE_OQ);
+  if (!(bad | keep)) return;
+  alignas(64) float his[16];
+  _mm512_store_ps(his, hi);
+  for (uint32_t mask = bad; mask; mask &= mask - 1) kept.bad[r0 + __builtin_ctz(mask) % 4] = 1;
+  for (uint32_t mask = keep; mask; mask &= mask - 1) {
+    const int l = __builtin_ctz(mask);
+    kept.high[r0 + l % 4].emplace_back(his[l], n0 + l / 4);
+  }
+}
+
+// Columns k .. k + 31 of the block's weight rows against each of its rows of x; `tail` masks
+// the columns past K (an all-ones mask for whole steps).
+template <int NB, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) inline void vnni_step(
+    __m512i (&acc)[MB][NB], const int8_t* const (&w)[NB], const int16_t* const (&x)[MB], int64_t k, __mmask32 tail) {
+  __m512i wv[NB];
+#pragma GCC unroll 4
+  for (int n = 0; n < NB; ++n) wv[n] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(tail, w[n] + k));
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
+    const __m512i xv = _mm512_loadu_si512(x[r] + k);
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_dpwssd_epi32(acc[r][n], wv[n], xv);
+  }
+}
+
+template <int NB, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void int_block_vnni(Kept& kept, int64_t n0,
+                                                                                  int64_t r0) {
+  const IntOperands& o = kept.o;
+  __m512i acc[MB][NB];
+  const int8_t* w[NB];
+  const int16_t* x[MB];
+  for (int r = 0; r < MB; ++r) {
+    x[r] = o.p + (r0 + r) * o.kp;
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_si512();
+  }
+  for (int n = 0; n < NB; ++n) w[n] = o.q + (n0 + n) * o.k;
+  const char* ahead = reinterpret_cast<const char*>(w[0] + kBlocksAhead * 4 * o.k);
+  const int64_t full = o.k / 32 * 32;
+  int64_t k = 0;
+  for (; k < full; k += 32) {  // a prefetch never faults, past the screen's end too
+    _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
+    _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+    vnni_step<NB, MB>(acc, w, x, k, ~__mmask32{0});
+  }
+  if (k < o.k) vnni_step<NB, MB>(acc, w, x, k, static_cast<__mmask32>((1ull << (o.k - k)) - 1));
+  if constexpr (NB == 4) {
+    __m512i all[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) all[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r) {
+#pragma GCC unroll 4
+      for (int n = 0; n < 4; ++n) all[4 * r + n] = acc[r][n];
+    }
+    add16(kept, n0, r0, MB, sum16(all));
+  } else {
+    for (int r = 0; r < MB; ++r) {
+      for (int n = 0; n < NB; ++n) kept.add(r0 + r, n0 + n, _mm512_reduce_add_epi32(acc[r][n]));
+    }
+  }
+}
+
+// 16 weights widened to int16 (a tail of n < 16 through a zeroed buffer).
+__attribute__((target("avx2"))) inline __m256i load_q16(const int8_t* q) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+__attribute__((target("avx2"))) inline __m256i load_q16(const int8_t* q, int64_t n) {
+  alignas(16) int8_t lanes[16] = {};
+  std::memcpy(lanes, q, static_cast<size_t>(n));
+  return load_q16(lanes);
+}
+
+__attribute__((target("avx2"))) inline int32_t hsum_epi32(__m256i v) {
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+}
+
+template <int NB, int MB>
+__attribute__((target("avx2"), always_inline)) inline void avx2_step(__m256i (&acc)[MB][NB], const __m256i (&wv)[NB],
+                                                                     const int16_t* const (&x)[MB], int64_t k) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + k));
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_add_epi32(acc[r][n], _mm256_madd_epi16(wv[n], xv));
+  }
+}
+
+template <int NB, int MB>
+__attribute__((target("avx2"))) void int_block_avx2(Kept& kept, int64_t n0, int64_t r0) {
+  const IntOperands& o = kept.o;
+  __m256i acc[MB][NB];
+  const int8_t* w[NB];
+  const int16_t* x[MB];
+  for (int r = 0; r < MB; ++r) {
+    x[r] = o.p + (r0 + r) * o.kp;
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_si256();
+  }
+  for (int n = 0; n < NB; ++n) w[n] = o.q + (n0 + n) * o.k;
+  const char* ahead = reinterpret_cast<const char*>(w[0] + kBlocksAhead * 4 * o.k);
+  const int64_t full = o.k / 32 * 32;
+  int64_t k = 0;
+  __m256i wv[NB];
+  for (; k < full; k += 32) {
+    _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
+    _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k);
+    avx2_step<NB, MB>(acc, wv, x, k);
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k + 16);
+    avx2_step<NB, MB>(acc, wv, x, k + 16);
+  }
+  for (; k < o.k; k += 16) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k, std::min<int64_t>(16, o.k - k));
+    avx2_step<NB, MB>(acc, wv, x, k);
+  }
+  for (int r = 0; r < MB; ++r) {
+    for (int n = 0; n < NB; ++n) kept.add(r0 + r, n0 + n, hsum_epi32(acc[r][n]));
+  }
+}
+#endif
+
+template <int NB, int MB>
+void int_block(IntPath path, Kept& kept, int64_t n0, int64_t r0) {
+#ifdef SPECDEC_X86
+  if (path == IntPath::kVnni) return int_block_vnni<NB, MB>(kept, n0, r0);
+  if (path == IntPath::kAvx2) return int_block_avx2<NB, MB>(kept, n0, r0);
+#endif
+  int_block_scalar<NB, MB>(kept, n0, r0);
+}
+
+// Weight rows [n0, n0 + NB) against all m rows of x, four at a time (two on AVX2: its 16
+// registers hold 4 x 2 accumulators beside the weights).
+template <int NB>
+void int_rows(IntPath path, Kept& kept, int64_t n0, int64_t m) {
+  int64_t r = 0;
+  if (path == IntPath::kAvx2) {
+    for (; r + 2 <= m; r += 2) int_block<NB, 2>(path, kept, n0, r);
+  } else {
+    for (; r + 4 <= m; r += 4) int_block<NB, 4>(path, kept, n0, r);
+  }
+  switch (m - r) {
+    case 3:
+      return int_block<NB, 3>(path, kept, n0, r);
+    case 2:
+      return int_block<NB, 2>(path, kept, n0, r);
+    case 1:
+      return int_block<NB, 1>(path, kept, n0, r);
+    default:
+      return;
+  }
+}
 
 // Row r's float32 logit of output feature n, bitwise the skinny GEMM's at any row count.
 float exact_logit(const at::Tensor& x, const at::Tensor& weight, int64_t r, int64_t n) {
@@ -26,121 +380,6 @@ float exact_logit(const at::Tensor& x, const at::Tensor& weight, int64_t r, int6
   skinny_share(o, 0, 1, 1);
   return out;
 }
-
-// The screen of one row: z [N] screened logits, b [N] bounds, s = ||x||. lowest() is the largest
-// z[n] - b[n] s, or NaN when some z[n] is not finite; keep() appends each n with
-// z[n] + b[n] s >= low. Vectorised where the skinny GEMM is (the scan of a 49152-word vocabulary
-// in eager ATen ops cost ~0.15 ms a row, a tenth of the screened product).
-struct Screen {
-  const float* z;
-  const float* b;
-  float s;
-  int64_t n;
-
-  float lowest_scalar() const {
-    float low = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) {
-      if (!std::isfinite(z[i])) return std::numeric_limits<float>::quiet_NaN();
-      low = std::max(low, z[i] - b[i] * s);
-    }
-    return low;
-  }
-  void keep_scalar(float low, std::vector<int64_t>& out) const {
-    for (int64_t i = 0; i < n; ++i) {
-      if (z[i] + b[i] * s >= low) out.push_back(i);
-    }
-  }
-
-#if defined(__x86_64__) && defined(__GNUC__)
-  __attribute__((target("avx512f"))) float lowest_avx512() const {
-    const __m512 sv = _mm512_set1_ps(s);
-    __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512 bad = _mm512_setzero_ps();  // z * 0 is NaN exactly where z is not finite
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 zv = _mm512_loadu_ps(z + i);
-      bad = _mm512_add_ps(bad, _mm512_mul_ps(zv, _mm512_setzero_ps()));
-      low = _mm512_max_ps(low, _mm512_fnmadd_ps(_mm512_loadu_ps(b + i), sv, zv));
-    }
-    float out = _mm512_reduce_max_ps(low);
-    if (std::isnan(_mm512_reduce_add_ps(bad))) return std::numeric_limits<float>::quiet_NaN();
-    for (; i < n; ++i) {
-      if (!std::isfinite(z[i])) return std::numeric_limits<float>::quiet_NaN();
-      out = std::max(out, z[i] - b[i] * s);
-    }
-    return out;
-  }
-  __attribute__((target("avx512f"))) void keep_avx512(float low, std::vector<int64_t>& out) const {
-    const __m512 sv = _mm512_set1_ps(s);
-    const __m512 lv = _mm512_set1_ps(low);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 high = _mm512_fmadd_ps(_mm512_loadu_ps(b + i), sv, _mm512_loadu_ps(z + i));
-      for (uint32_t mask = _mm512_cmp_ps_mask(high, lv, _CMP_GE_OQ); mask; mask &= mask - 1) {
-        out.push_back(i + __builtin_ctz(mask));
-      }
-    }
-    for (; i < n; ++i) {
-      if (std::fma(b[i], s, z[i]) >= low) out.push_back(i);
-    }
-  }
-
-  __attribute__((target("avx2,fma"))) float lowest_avx2() const {
-    const __m256 sv = _mm256_set1_ps(s);
-    __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256 bad = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 zv = _mm256_loadu_ps(z + i);
-      bad = _mm256_add_ps(bad, _mm256_mul_ps(zv, _mm256_setzero_ps()));
-      low = _mm256_max_ps(low, _mm256_fnmadd_ps(_mm256_loadu_ps(b + i), sv, zv));
-    }
-    alignas(32) float lanes[8], flags[8];
-    _mm256_store_ps(lanes, low);
-    _mm256_store_ps(flags, bad);
-    float out = -std::numeric_limits<float>::infinity();
-    for (int l = 0; l < 8; ++l) {
-      if (std::isnan(flags[l])) return std::numeric_limits<float>::quiet_NaN();
-      out = std::max(out, lanes[l]);
-    }
-    for (; i < n; ++i) {
-      if (!std::isfinite(z[i])) return std::numeric_limits<float>::quiet_NaN();
-      out = std::max(out, z[i] - b[i] * s);
-    }
-    return out;
-  }
-  __attribute__((target("avx2,fma"))) void keep_avx2(float low, std::vector<int64_t>& out) const {
-    const __m256 sv = _mm256_set1_ps(s);
-    const __m256 lv = _mm256_set1_ps(low);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 high = _mm256_fmadd_ps(_mm256_loadu_ps(b + i), sv, _mm256_loadu_ps(z + i));
-      for (uint32_t mask = _mm256_movemask_ps(_mm256_cmp_ps(high, lv, _CMP_GE_OQ)); mask; mask &= mask - 1) {
-        out.push_back(i + __builtin_ctz(mask));
-      }
-    }
-    for (; i < n; ++i) {
-      if (std::fma(b[i], s, z[i]) >= low) out.push_back(i);
-    }
-  }
-#endif
-
-  // The ISA the skinny GEMM takes on this CPU.
-  float lowest(const std::string& isa) const {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == "avx512") return lowest_avx512();
-    if (isa == "avx2") return lowest_avx2();
-#endif
-    return lowest_scalar();
-  }
-  void keep(const std::string& isa, float low, std::vector<int64_t>& out) const {
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == "avx512") return keep_avx512(low, out);
-    if (isa == "avx2") return keep_avx2(low, out);
-#endif
-    keep_scalar(low, out);
-  }
-};
 
 // torch.argmax's choice over the candidates (ascending): the first NaN, else the first maximum.
 void pick(const at::Tensor& x, const at::Tensor& weight, int64_t r, const std::vector<int64_t>& candidates,
@@ -166,46 +405,90 @@ void pick(const at::Tensor& x, const at::Tensor& weight, int64_t r, const std::v
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at::Tensor& screen,
-                                                   const at::Tensor& weight, const at::Tensor& bound) {
+                                                   const at::Tensor& scale, const at::Tensor& weight,
+                                                   const at::Tensor& bound) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "greedy_head: x must be float32 [m, K], got ",
               x.scalar_type(), " of shape ", x.sizes());
-  TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kHalf && screen.size(1) == x.size(1),
-              "greedy_head: screen must be float16 [N, ", x.size(1), "], got ", screen.scalar_type(), " of shape ",
-              screen.sizes());
+  TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kChar && screen.size(1) == x.size(1) &&
+                  screen.is_contiguous(),
+              "greedy_head: screen must be contiguous int8 [N, ", x.size(1), "], got ", screen.scalar_type(),
+              " of shape ", screen.sizes());
+  const int64_t m = x.size(0), n = screen.size(0), k = x.size(1);
+  TORCH_CHECK(scale.dim() == 1 && scale.scalar_type() == at::kFloat && scale.size(0) == n && scale.is_contiguous(),
+              "greedy_head: scale must be contiguous float32 [", n, "], got ", scale.scalar_type(), " of shape ",
+              scale.sizes());
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.sizes() == screen.sizes() && weight.stride(1) == 1,
               "greedy_head: weight must be float32 ", screen.sizes(), " with contiguous rows, got ",
               weight.scalar_type(), " of shape ", weight.sizes());
-  TORCH_CHECK(bound.dim() == 1 && bound.scalar_type() == at::kFloat && bound.size(0) == screen.size(0) &&
+  TORCH_CHECK(bound.dim() == 2 && bound.size(0) == 2 && bound.size(1) == n && bound.scalar_type() == at::kFloat &&
                   bound.is_contiguous(),
-              "greedy_head: bound must be contiguous float32 [", screen.size(0), "], got ", bound.scalar_type(),
-              " of shape ", bound.sizes());
-  TORCH_CHECK(screen.size(0) > 0, "greedy_head: the weight has no rows");
+              "greedy_head: bound must be contiguous float32 [2, ", n, "], got ", bound.scalar_type(), " of shape ",
+              bound.sizes());
+  TORCH_CHECK(n > 0, "greedy_head: the weight has no rows");
+  const int32_t qmax = screen_qmax(k);
+  TORCH_CHECK(qmax >= 127, "greedy_head: K = ", k, " in-features overflow the screen's int32 sums");
   const at::Tensor rows = x.contiguous();
-  const int64_t m = rows.size(0), n = screen.size(0), k = rows.size(1);
   at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
   at::Tensor logits = at::empty({m}, x.options());
   if (m == 0) return {ids, logits};
-  const at::Tensor screened = skinny_linear_cpu(rows, screen, 0);  // [m, N]
-  static const std::string isa = skinny_linear_isa();
+
+  const int64_t kp = (k + 31) / 32 * 32;
+  std::vector<int16_t> p(static_cast<size_t>(m * kp), 0);
+  std::vector<RowOfX> row_of_x;
+  row_of_x.reserve(m);
+  for (int64_t r = 0; r < m; ++r) row_of_x.emplace_back(rows.data_ptr<float>() + r * k, k, qmax, p.data() + r * kp);
+  const int64_t m4 = (m + 3) / 4 * 4;
+  std::vector<float> t(m4, 0.f), norm_x(m4, 0.f), norm_e(m4, 0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    t[r] = row_of_x[r].t;
+    norm_x[r] = row_of_x[r].X;
+    norm_e[r] = row_of_x[r].E;
+  }
+  const IntOperands o{screen.data_ptr<int8_t>(), n, k, p.data(), kp, scale.data_ptr<float>(),
+                      bound.data_ptr<float>(), bound.data_ptr<float>() + n, t.data(), norm_x.data(), norm_e.data()};
+
+  // Blocks of four weight rows spread over torch's threads; each thread's Kept joins `all`.
+  const IntPath path = int_path();
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kBlock * k));
+  std::mutex joining;
+  std::vector<Kept> all;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    Kept kept(o, m);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock;
+      if (n0 + kBlock <= n) {
+        int_rows<kBlock>(path, kept, n0, m);
+      } else {
+        for (int64_t j = n0; j < n; ++j) int_rows<1>(path, kept, j, m);
+      }
+    }
+    std::lock_guard<std::mutex> lock(joining);
+    all.push_back(std::move(kept));
+  });
+
   int64_t* id = ids.data_ptr<int64_t>();
   float* logit = logits.data_ptr<float>();
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> candidates;
     for (int64_t r = begin; r < end; ++r) {
-      // ||x||, rounded up to float32 (its float64 sum is exact to far below the bound's slack).
-      const float* xr = rows.data_ptr<float>() + r * k;
-      double squares = 0.0;
-      for (int64_t i = 0; i < k; ++i) squares += static_cast<double>(xr[i]) * xr[i];
-      const double norm = std::sqrt(squares);
-      float s = static_cast<float>(norm);
-      if (s < norm) s = std::nextafter(s, std::numeric_limits<float>::infinity());
-      const Screen row{screened.data_ptr<float>() + r * n, bound.data_ptr<float>(), s, n};
       candidates.clear();
-      const float low = row.lowest(isa);
-      if (std::isnan(low) || std::isinf(s)) {
-        for (int64_t i = 0; i < n; ++i) candidates.push_back(i);
+      bool screened = row_of_x[r].screened;
+      float low = -std::numeric_limits<float>::infinity();
+      for (const Kept& kept : all) {
+        screened = screened && !kept.bad[r];
+        low = std::max(low, kept.low(r));
+      }
+      if (screened) {
+        for (const Kept& kept : all) {
+          for (const auto& [hi, j] : kept.high[r]) {
+            if (hi >= low) candidates.push_back(j);
+          }
+        }
+        std::sort(candidates.begin(), candidates.end());
       } else {
-        row.keep(isa, low, candidates);
+        for (int64_t j = 0; j < n; ++j) candidates.push_back(j);
       }
       pick(rows, weight, r, candidates, id + r, logit + r);
     }

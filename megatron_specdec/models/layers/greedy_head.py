@@ -2,21 +2,27 @@
 logits (csrc/greedy_head.h).
 
 A greedy step reads only the argmax of the output layer, whose float32 weight is a fifth of a
-small model's bytes (SmolLM2-135M: 113 of 538 MB). A float16 copy screens all rows at half the
-bytes; the rows that can still hold the maximum are computed again in float32 by the skinny
-GEMM's own per-element arithmetic. The result is the token the float32 logits and
-torch.argmax give, bitwise, at any row count: rows 1..16 take the skinny op in the logits
-path too (linear_kernels), and a row's logit does not depend on the rows beside it.
+small model's bytes (SmolLM2-135M: 113 of 538 MB). An int8 copy (a scale per row) screens all
+rows at a quarter of the bytes; the rows that can still hold the maximum are computed again in
+float32 by the skinny GEMM's own per-element arithmetic. The result is the token the float32
+logits and torch.argmax give, bitwise, at any row count: rows 1..16 take the skinny op in the
+logits path too (linear_kernels), and a row's logit does not depend on the rows beside it.
 
-Why the screen cannot drop the maximum: for output row n and input x, the float32 logit y_n
-and the screened one z_n each differ from their exact dot products by at most
-gamma * sum |w||x| (K products summed in lanes, then a fixed sum of the lanes; gamma =
-m u / (1 - m u) with m = K + 8 covering both, u = 2^-24), and the exact ones by
-|(w - w16) . x| <= ||w - w16|| ||x||. So |y_n - z_n| <= bound_n ||x|| with
-bound_n = ||w_n - w16_n|| + gamma (||w_n|| + ||w16_n||), computed here in float64 and widened
-by 8/K for the op's own float32 interval arithmetic (each rounding is at most u |z_n|, and
-|z_n| <= ||w16_n|| ||x|| (1 + gamma) is below bound_n ||x|| / gamma). The maximum y_a then
-satisfies z_a + bound_a ||x|| >= y_a >= y_j >= z_j - bound_j ||x|| for every j, so it is kept.
+The screen: row n of the weight is w^_n = s_n q_n (q_n int8), a row of x is x^ = t p (p int16,
+|p| <= 32767 and K 127 |p| within int32), and D_n = q_n . p is summed in int32 exactly, by
+every ISA path alike. The screened logit is z_n = fl(fl(s_n t) fl(D_n)), within 3.0001 u of
+w^_n . x^ (u = 2^-24).
+
+Why the screen cannot drop the maximum: the float32 logit y_n is within gamma ||w_n|| ||x|| of
+w_n . x (K products summed in lanes, then a fixed sum of the lanes; gamma = m u / (1 - m u),
+m = K + 8), and w_n . x - w^_n . x^ = (w_n - w^_n) . x + w^_n . (x - x^). With X >= ||x||,
+E >= ||x - x^|| and ||x^|| <= X + E, |y_n - z_n| + u |z_n| <= a'_n X + c'_n E for
+a'_n = ||w_n - w^_n|| + gamma ||w_n|| + 4.0002 u ||w^_n|| and c'_n = ||w^_n|| (1 + 4.0002 u).
+The bound kept, bound[0] = a_n and bound[1] = c_n, uses 5.0001 u for 4.0002 u and is widened by
+2^-10 in float64 before rounding up to float32, so the op's float32 a_n X + c_n E and
+z_n +- it (three roundings, each within u of its value) still cover |y_n - z_n|; a constant
+2^-100 covers what underflow takes from those relative bounds. The maximum y_a then satisfies
+hi_a >= y_a >= y_j >= lo_j for every j, so it is kept.
 """
 
 import math
@@ -32,23 +38,35 @@ from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, produc
 from megatron_specdec.models.weight_memory import huge_page_empty
 
 class GreedyHead:
-    """The screening copy of rows [0, rows) of a float32 output weight [N, K] (this TP rank's
-    vocabulary slice, its padding rows left out) and each row's bound."""
+    """The int8 screening copy of rows [0, rows) of a float32 output weight [N, K] (this TP
+    rank's vocabulary slice, its padding rows left out), its row scales and its bounds."""
 
     def __init__(self, weight: Tensor, rows: int):
         k = weight.shape[1]
         self.weight = weight[:rows]
-        self.screen = huge_page_empty(rows * k, torch.float16).view(rows, k)
-        self.screen.copy_(self.weight)
+        self.screen = huge_page_empty(rows * k, torch.int8).view(rows, k)
+        self.scale = torch.empty(rows)
         u = 2.0 ** -24
         gamma = (k + 8) * u / (1 - (k + 8) * u)
-        bound = torch.empty(rows, dtype=torch.float64)
+        bound = torch.empty(2, rows, dtype=torch.float64)
         for start in range(0, rows, 4096):  # float64 copies of a few MB at a time
-            w = self.weight[start:start + 4096].double()
-            w16 = self.screen[start:start + 4096].double()
-            bound[start:start + 4096] = ((w - w16).norm(dim=1)
-                                         + gamma * (w.norm(dim=1) + w16.norm(dim=1)))
-        bound = (bound * (1 + 8 / k) + 1e-30).float()
+            end = min(rows, start + 4096)
+            w = self.weight[start:end]
+            scale = w.abs().amax(dim=1) / 127
+            usable = torch.isfinite(scale) & (scale > 0)
+            q = torch.where(usable[:, None], w / scale[:, None], 0).round_().clamp_(-127, 127)
+            q = q.nan_to_num_(0.0)
+            scale = torch.where(usable, scale, 0)
+            self.screen[start:end] = q.to(torch.int8)
+            self.scale[start:end] = scale
+            w, wq = w.double(), q.double() * scale.double()[:, None]  # s q: exact in float64
+            norm_q = wq.norm(dim=1)
+            bound[0, start:end] = ((w - wq).norm(dim=1) + gamma * w.norm(dim=1)
+                                   + 5.0001 * u * norm_q)
+            bound[1, start:end] = norm_q * (1 + 5.0001 * u)
+            # A row with a value that is not finite is always computed in float32.
+            bound[0, start:end][~torch.isfinite(w).all(dim=1)] = math.inf
+        bound = (bound * (1 + 2.0 ** -10)).float()
         self.bound = torch.nextafter(bound, torch.full_like(bound, math.inf))
 
     def __call__(self, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -57,8 +75,12 @@ class GreedyHead:
         if not self.weight.shape[0]:
             return (torch.zeros(x.shape[0], dtype=torch.long),
                     torch.full((x.shape[0],), -math.inf))
-        return torch.ops.megatron_specdec.greedy_head(x, self.screen, self.weight, self.bound)
+        return torch.ops.megatron_specdec.greedy_head(x, self.screen, self.scale, self.weight,
+                                                        self.bound)
 
+
+# K 127 127 within int32: the screen's x keeps at least int8's resolution (csrc/greedy_head.cpp).
+MAX_IN_FEATURES = (2 ** 31 - 1) // (127 * 127)
 
 # id -> (weak reference, key, head) of each output weight's screening copy, built at its
 # first greedy step and kept while the weight lives, unless its storage or values change
@@ -78,11 +100,12 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
     """The screened head of rows [0, rows) of `weight` for a forward of `tokens` rows of x,
     or None where the logits path must run: a weight that is not float32 on the CPU, more rows
     than the row-invariant products take, a product other than the skinny op in force for
-    them (a pinned product, no extension), or a CPU without a vector path (the scalar
-    widening of float16 is slower than the float32 product it saves). The answer is the same on every TP rank. (A weight
-    beyond float16's range screens to infinities, and the op computes such rows in float32.)"""
+    them (a pinned product, no extension), a CPU without a vector path (the scalar screen is
+    slower than the float32 product it saves), or more in-features than the screen's int32
+    sums hold. The answer is the same on every TP rank."""
     if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.stride(1) != 1
-            or not 1 <= tokens <= INVARIANT_ROWS or not _vector_op()
+            or not 1 <= tokens <= INVARIANT_ROWS or weight.shape[1] > MAX_IN_FEATURES
+            or not _vector_op()
             or skinny_block(product(weight, tokens)) is None):
         return None
     key = (weight.data_ptr(), weight._version, rows)
