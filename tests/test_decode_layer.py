@@ -200,3 +200,55 @@ def test_a_hooked_layer_is_called_and_an_unhooked_one_decoded_directly():
     finally:
         hook.remove()
     assert len(seen) == 5 and torch.equal(direct, called)
+
+
+def test_the_decoding_embedding_is_the_module_output_bitwise_and_steps_aside():
+    """decode_embedding is the module's output bitwise where it looks the rows up itself, and
+    calls the module where the module does more: grad on, training, or a hook watching it."""
+    from megatron_specdec.models.layers.decode_embedding import decode_embedding, plain_lookup
+
+    distributed.initialize(1, 1)
+    embedding = base_model(hf_config("llama")).embedding.eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = embedding(input_ids=ids, position_ids=None)
+        assert plain_lookup(embedding)
+        got = decode_embedding(embedding, ids)
+        assert got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
+        seen = []
+        hook = embedding.register_forward_hook(lambda *_: seen.append(1))
+        try:
+            assert not plain_lookup(embedding)
+            assert torch.equal(decode_embedding(embedding, ids), want) and seen == [1]
+        finally:
+            hook.remove()
+        assert not plain_lookup(embedding.train())
+        embedding.eval()
+    assert not plain_lookup(embedding)  # grad enabled
+
+
+def test_one_row_placement_equals_the_general_placement():
+    """DecodeCache.place for one row without counts (a decode step, a chain) leaves what the
+    general placement leaves: slots, span, end, masks and query ends; replacing the buffers
+    drops the operands derived from them (decode_chain's)."""
+    from megatron_specdec.models.layers.decode_attention import DecodeCache
+
+    fast, general = DecodeCache(1, 12), DecodeCache(1, 12)
+    for s in (3, 1, 4):
+        a = fast.place(s, torch.device("cpu"))
+        b = general.place(s, torch.device("cpu"), torch.tensor([s]))  # counts: the general path
+        general._advance, general._span = s, (int(general.lengths[0]), general._end)
+        assert torch.equal(a, b) and torch.equal(fast._slots, general._slots)
+        assert torch.equal(fast._rows, general._rows)
+        assert (fast._end, fast._span) == (general._end, general._span)
+        masks = fast.causal_mask(a), general.causal_mask(b)
+        assert (masks == (None, None)) if s == 1 else torch.equal(*masks)
+        assert fast.query_ends == general.query_ends == list(range(fast._span[0] + 1,
+                                                                   fast._end + 1))
+        fast.commit()
+        general.commit()
+    with pytest.raises(ValueError, match="cannot take"):
+        fast.place(5, torch.device("cpu"))
+    fast.memo["operands"] = "derived from the buffers"
+    fast.keep_rows(torch.tensor([0]))  # new buffers: what was derived from the old ones goes
+    assert fast.memo == {}

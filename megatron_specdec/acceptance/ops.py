@@ -9,6 +9,7 @@ same tokens for the same generator state.
 """
 import os
 import warnings
+from functools import lru_cache
 
 import torch
 
@@ -36,9 +37,14 @@ _warned = False
 def op_available(name: str, device=torch.device("cpu")) -> bool:
     """Whether torch.ops.megatron_specdec.<name> has a kernel for tensors on `device` (an
     extension built before the op existed has none)."""
+    return _has_kernel(name, "CUDA" if torch.device(device).type == "cuda" else "CPU")
+
+
+@lru_cache(maxsize=None)
+def _has_kernel(name: str, key: str) -> bool:
+    """op_available's answer, fixed for the process (decoding asks it every step)."""
     if _EXT_ERROR is not None:
         return False
-    key = "CUDA" if torch.device(device).type == "cuda" else "CPU"
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_specdec::{name}", key)
 
 

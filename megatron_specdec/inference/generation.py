@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_specdec.models.layers.decode_embedding import decode_embedding
+
 # Greedy plain_generate drops finished rows once they are 1/_DROP_SHARE of the batch.
 _DROP_SHARE = 4
 
@@ -82,7 +84,7 @@ class StageRunner:
         slots = self.context.place(s, device, counts)
         pos = slots if positions is None else positions.expand(b, s)
         if self.first:
-            hidden = self.model.embedding(input_ids=tokens, position_ids=pos)
+            hidden = decode_embedding(self.model.embedding, tokens, pos)
         else:
             hidden = torch.empty(s, b, self.hidden_size, dtype=self.dtype, device=device)
             dist.recv(hidden, src=self.prev_rank)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from megatron_specdec.inference.draft_policy import draft_chain
 from megatron_specdec.methods.dflash.model import draft_logits
+from megatron_specdec.models.layers.decode_embedding import decode_embedding
 from megatron_specdec.models.layers.vocab_parallel import (
     vocab_parallel_argmax,
     vocab_parallel_gather,
@@ -64,7 +65,7 @@ class DFlashDrafter:
         b = self.pending.shape[0]
         slots = self.cache.place(k + 1, self.pending.device)
         embeds = self.module.block_inputs(
-            self.embedding(input_ids=self.pending[:, None], position_ids=None), k + 1)
+            decode_embedding(self.embedding, self.pending[:, None]), k + 1)
         ends = (self.cache.lengths + k + 1).to(slots.device)
         keys = torch.arange(int(ends.max()), device=slots.device)
         mask = (keys[None, :] >= ends[:, None])[:, None, None].expand(b, 1, k + 1, -1)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from megatron_specdec.inference.draft_policy import draft_chain
 from megatron_specdec.inference.tree import DraftTree, TreeSpec, ancestors, grow_tree, sample_tree
+from megatron_specdec.models.layers.decode_embedding import decode_embedding
 from megatron_specdec.models.layers.vocab_parallel import (
     vocab_parallel_argmax,
     vocab_parallel_gather,
@@ -55,7 +56,7 @@ class Eagle3Drafter:
         positions = slots if positions is None else positions.expand_as(slots)
         if mask is None:
             mask = self.cache.causal_mask(slots)
-        embeds = self.embedding(input_ids=next_tokens, position_ids=None)
+        embeds = decode_embedding(self.embedding, next_tokens)
         rotary = self._rope[positions.T][:, :, 0]
         if self.module.lean and not torch.is_grad_enabled():
             self.cache.set_rotary(rotary)

@@ -61,11 +61,17 @@ class DecodeCache(StaticInferenceContext):
         self._end = 0
         # Batch 1, causal, a few tokens (a chain verify): the cache end each query sees.
         self.query_ends: Optional[list] = None
+        # What callers derive from the layers' buffers once (decode_layer.decode_chain's
+        # operands), dropped when the buffers are replaced (keep_rows).
+        self.memo = {}
+        self._numbers = {}  # device -> arange(max_length): slot numbers to slice
 
     def place(self, s: int, device, counts: Optional[Tensor] = None) -> Tensor:
         """Slots [b, s] of the next forward (class notes); `commit` then advances each row by
         its real count."""
         self.query_ends = None
+        if counts is None and self.lengths.numel() == 1:
+            return self._place_one(s, device)
         j = torch.arange(s)
         if counts is None:
             slots = self.lengths[:, None] + j
@@ -87,6 +93,23 @@ class DecodeCache(StaticInferenceContext):
         self._rows = torch.arange(self.lengths.numel(), device=device).expand_as(self._slots)
         return slots.to(device)
 
+    def _place_one(self, s: int, device) -> Tensor:
+        """`place` for one row of s tokens, from the cache's own slot numbers (a decode step's
+        dozen small tensor ops cost ~0.15 ms a step on 2 cores)."""
+        first = int(self.lengths[0])
+        self._advance, self._end, self._span = s, first + s, (first, first + s)
+        if self._end > self.max_sequence_length:
+            raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take "
+                             f"{self._end}")
+        numbers = self._numbers.get(device)
+        if numbers is None:
+            numbers = self._numbers[device] = torch.arange(self.max_sequence_length,
+                                                           device=device)
+        slots = numbers[first: self._end][None]
+        self._slots = slots.T
+        self._rows = torch.zeros_like(self._slots)
+        return slots
+
     def causal_mask(self, slots: Tensor) -> Optional[Tensor]:
         """[b, 1, s, end] True where a query at `slots` [b, s] may not attend (a later slot:
         a later token, or a slot beyond its row's length); None when nothing is masked (one
@@ -95,7 +118,7 @@ class DecodeCache(StaticInferenceContext):
         b, s = slots.shape
         if b == 1 and s <= PER_QUERY_ROWS and slots.device.type == "cpu":
             self.query_ends = (slots[0] + 1).tolist()
-        if s == 1 and bool((self.lengths == self.lengths[0]).all()):
+        if s == 1 and (b == 1 or bool((self.lengths == self.lengths[0]).all())):
             return None
         keys = torch.arange(self._end, device=slots.device)
         return (keys[None, None, :] > slots[:, :, None])[:, None]
@@ -110,6 +133,11 @@ class DecodeCache(StaticInferenceContext):
         if self._cos_sin is None or self._cos_sin[0].dtype != dtype:
             self._cos_sin = (torch.cos(self.rotary).to(dtype), torch.sin(self.rotary).to(dtype))
         return self._cos_sin
+
+    def chain_cos_sin(self, like: Tensor) -> Tuple[Tensor, Tensor]:
+        """cos and sin [s, rotary dim] of a batch-1 chain of like.shape[0] tokens."""
+        cos, sin = self.cos_sin(like.dtype)
+        return cos.reshape(like.shape[0], -1), sin.reshape(like.shape[0], -1)
 
     def commit(self):
         """After the forward: every row's length grows by its real count."""
@@ -172,6 +200,7 @@ class DecodeCache(StaticInferenceContext):
         """Keep only the batch rows `rows` (ascending indices), in that order (rows that
         finished leave the batch)."""
         rows = rows.cpu()
+        self.memo = {}
         self.key_value_memory_dict = {
             layer: (key[:, rows.to(key.device)], value[:, rows.to(key.device)])
             for layer, (key, value) in self.key_value_memory_dict.items()}
@@ -272,14 +301,18 @@ class DecodeSelfAttention(SelfAttention):
     def chain_args(self, cache: DecodeCache, first: int, like: Tensor) -> tuple:
         """(cos, sin, keys, values, first, heads, scale): chain_attention's arguments after the
         QKV product, for a chain of like.shape[0] tokens."""
-        s = like.shape[0]
+        keys, values, heads, scale = self.chain_cache(cache, like)
+        return (*cache.chain_cos_sin(like), keys, values, first, heads, scale)
+
+    def chain_cache(self, cache: DecodeCache, like: Tensor) -> tuple:
+        """(keys, values, heads, scale): what chain_attention reads of this layer and its
+        cache, the same at every step of the cache."""
         dim = self.hidden_size_per_attention_head
         keys, values = cache.buffers(
             self.layer_number, (1, self.num_query_groups_per_partition, dim), like)
-        cos, sin = cache.cos_sin(like.dtype)
         scale = self.core_attention.softmax_scale
-        return (cos.reshape(s, -1), sin.reshape(s, -1), keys, values, first,
-                self.num_attention_heads_per_partition, dim ** -0.5 if scale is None else scale)
+        return (keys, values, self.num_attention_heads_per_partition,
+                dim ** -0.5 if scale is None else scale)
 
     def _attend(self, query, key, value, attention_mask, cache: DecodeCache) -> Tensor:
         """Rotate the new queries and keys, append keys and values to the cache, attend."""

@@ -34,7 +34,8 @@ def best_over_ranks(values: Tensor, ids: Tensor, group) -> Tensor:
 
 def vocab_parallel_gather(logits: Tensor, size: int) -> Tensor:
     """Logits [s, size] of logits [s, b=1, Vp/TP] split over TP (padding past `size` dropped)."""
-    return gather_from_tensor_model_parallel_region(logits[:, 0].contiguous())[:, :size]
+    return gather_from_tensor_model_parallel_region(
+        logits[:, 0].contiguous(), group=ps.get_tensor_model_parallel_group())[:, :size]
 
 
 def vocab_parallel_log_probs(logits: Tensor, size: int) -> Tensor:
