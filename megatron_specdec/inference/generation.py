@@ -154,7 +154,7 @@ class StageRunner:
     def _greedy(self, hidden):
         """Argmax ids [b, s] of the logits over normed `hidden` [s, b, h], bitwise those of
         `_logits` (ties: the lowest id): through the screened greedy head where it runs
-        (models/layers/greedy_head.py: half of the output layer's bytes), else the logits."""
+        (models/layers/greedy_head.py: a quarter of the output layer's bytes), else the logits."""
         from megatron_specdec.models.layers.greedy_head import greedy_head
         from megatron_specdec.models.layers.vocab_parallel import best_over_ranks
 
