@@ -249,6 +249,10 @@ def test_one_row_placement_equals_the_general_placement():
         general.commit()
     with pytest.raises(ValueError, match="cannot take"):
         fast.place(5, torch.device("cpu"))
+    fast.buffers(1, (1, 1, 2), torch.zeros(1))
     fast.memo["operands"] = "derived from the buffers"
     fast.keep_rows(torch.tensor([0]))  # new buffers: what was derived from the old ones goes
+    assert fast.memo == {}
+    fast.memo["operands"] = "derived from the buffers"
+    fast.swap_key_value_dict([0])
     assert fast.memo == {}

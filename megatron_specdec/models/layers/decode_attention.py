@@ -62,7 +62,7 @@ class DecodeCache(StaticInferenceContext):
         # Batch 1, causal, a few tokens (a chain verify): the cache end each query sees.
         self.query_ends: Optional[list] = None
         # What callers derive from the layers' buffers once (decode_layer.decode_chain's
-        # operands), dropped when the buffers are replaced (keep_rows).
+        # operands), dropped when the buffers are replaced (keep_rows, swap_key_value_dict).
         self.memo = {}
         self._numbers = {}  # device -> arange(max_length): slot numbers to slice
 
@@ -206,6 +206,11 @@ class DecodeCache(StaticInferenceContext):
             for layer, (key, value) in self.key_value_memory_dict.items()}
         self.lengths = self.lengths[rows].clone()
         self.max_batch_size = rows.numel()
+
+    def swap_key_value_dict(self, batch_idx):
+        """megatron's batch reorder: new buffers, so what was derived from the old goes."""
+        self.memo = {}
+        super().swap_key_value_dict(batch_idx)
 
     def row(self, b: int) -> "DecodeCache":
         """A batch-1 view of row b: what is written through it is row b's (a drafter growing
