@@ -161,6 +161,28 @@ void int_block_scalar(Kept& kept, int64_t n0, int64_t r0) {
 // 49152 x 576 screen, Intel Xeon with AMX, 2 cores; one block ahead or into L1, 1.05-1.1).
 constexpr int64_t kBlocksAhead = 3;
 
+// A block's weight rows [n0, n0 + NB) and rows of x [r0, r0 + MB), and the prefetch of the
+// screen kBlocksAhead blocks on, shared by the vector paths.
+template <int NB, int MB>
+struct BlockRows {
+  const int8_t* w[NB];
+  const int16_t* x[MB];
+  const char* ahead;
+
+  BlockRows(const IntOperands& o, int64_t n0, int64_t r0) {
+    for (int n = 0; n < NB; ++n) w[n] = o.q + (n0 + n) * o.k;
+    for (int r = 0; r < MB; ++r) x[r] = o.p + (r0 + r) * o.kp;
+    ahead = reinterpret_cast<const char*>(w[0] + kBlocksAhead * 4 * o.k);
+  }
+
+  // The lines of four rows' columns k .. k + 31 (a prefetch never faults, past the screen's
+  // end too).
+  void fetch(int64_t k) const {
+    _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
+    _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+  }
+};
+
 // The sums of 16 int32 vectors in one, lane l holding v[kSumOrder[l]]'s (vector_sums.h's
 // shuffles; integer sums are exact in any order).
 __attribute__((target("avx512f"), always_inline)) inline __m512i shuffle4(__m512i a, __m512i b, const int imm) {
@@ -244,23 +266,18 @@ template <int NB, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void int_block_vnni(Kept& kept, int64_t n0,
                                                                                   int64_t r0) {
   const IntOperands& o = kept.o;
+  const BlockRows<NB, MB> b(o, n0, r0);
   __m512i acc[MB][NB];
-  const int8_t* w[NB];
-  const int16_t* x[MB];
   for (int r = 0; r < MB; ++r) {
-    x[r] = o.p + (r0 + r) * o.kp;
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_si512();
   }
-  for (int n = 0; n < NB; ++n) w[n] = o.q + (n0 + n) * o.k;
-  const char* ahead = reinterpret_cast<const char*>(w[0] + kBlocksAhead * 4 * o.k);
   const int64_t full = o.k / 32 * 32;
   int64_t k = 0;
-  for (; k < full; k += 32) {  // a prefetch never faults, past the screen's end too
-    _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
-    _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
-    vnni_step<NB, MB>(acc, w, x, k, ~__mmask32{0});
+  for (; k < full; k += 32) {
+    b.fetch(k);
+    vnni_step<NB, MB>(acc, b.w, b.x, k, ~__mmask32{0});
   }
-  if (k < o.k) vnni_step<NB, MB>(acc, w, x, k, static_cast<__mmask32>((1ull << (o.k - k)) - 1));
+  if (k < o.k) vnni_step<NB, MB>(acc, b.w, b.x, k, static_cast<__mmask32>((1ull << (o.k - k)) - 1));
   if constexpr (NB == 4) {
     __m512i all[16];
 #pragma GCC unroll 16
@@ -308,32 +325,27 @@ __attribute__((target("avx2"), always_inline)) inline void avx2_step(__m256i (&a
 template <int NB, int MB>
 __attribute__((target("avx2"))) void int_block_avx2(Kept& kept, int64_t n0, int64_t r0) {
   const IntOperands& o = kept.o;
+  const BlockRows<NB, MB> b(o, n0, r0);
   __m256i acc[MB][NB];
-  const int8_t* w[NB];
-  const int16_t* x[MB];
   for (int r = 0; r < MB; ++r) {
-    x[r] = o.p + (r0 + r) * o.kp;
     for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_setzero_si256();
   }
-  for (int n = 0; n < NB; ++n) w[n] = o.q + (n0 + n) * o.k;
-  const char* ahead = reinterpret_cast<const char*>(w[0] + kBlocksAhead * 4 * o.k);
   const int64_t full = o.k / 32 * 32;
   int64_t k = 0;
   __m256i wv[NB];
   for (; k < full; k += 32) {
-    _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
-    _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+    b.fetch(k);
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k);
-    avx2_step<NB, MB>(acc, wv, x, k);
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(b.w[n] + k);
+    avx2_step<NB, MB>(acc, wv, b.x, k);
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k + 16);
-    avx2_step<NB, MB>(acc, wv, x, k + 16);
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(b.w[n] + k + 16);
+    avx2_step<NB, MB>(acc, wv, b.x, k + 16);
   }
   for (; k < o.k; k += 16) {
 #pragma GCC unroll 4
-    for (int n = 0; n < NB; ++n) wv[n] = load_q16(w[n] + k, std::min<int64_t>(16, o.k - k));
-    avx2_step<NB, MB>(acc, wv, x, k);
+    for (int n = 0; n < NB; ++n) wv[n] = load_q16(b.w[n] + k, std::min<int64_t>(16, o.k - k));
+    avx2_step<NB, MB>(acc, wv, b.x, k);
   }
   for (int r = 0; r < MB; ++r) {
     for (int n = 0; n < NB; ++n) kept.add(r0 + r, n0 + n, hsum_epi32(acc[r][n]));

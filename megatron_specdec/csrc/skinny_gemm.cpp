@@ -33,9 +33,9 @@ namespace specdec {
 namespace {
 
 
-// Weights stored in 16 bits, widened exactly to float32 as they are read: IEEE binary16 (the
-// greedy head's screening copy, greedy_head.cpp) and bfloat16 (a float32 weight whose values
-// are all bfloat16 values, models/weight_memory.py), each its own type for overloading.
+// Weights stored in 16 bits, widened exactly to float32 as they are read: IEEE binary16 and
+// bfloat16 (a float32 weight whose values are all values of one of them,
+// models/weight_memory.narrow_copy), each its own type for overloading.
 struct Half {
   uint16_t bits;
 };
@@ -504,6 +504,21 @@ void with_weight_type(WeightKind kind, Fn&& fn) {
   }
 }
 
+// fn(Isa{}) for the ISA path this process takes: the one switch over Path of the products.
+template <typename Fn>
+void with_isa(Fn&& fn) {
+  switch (path()) {
+#ifdef SPECDEC_X86
+    case Path::kAvx512:
+      return fn(Avx512{});
+    case Path::kAvx2:
+      return fn(Avx2{});
+#endif
+    default:
+      return fn(Scalar{});
+  }
+}
+
 template <typename W>
 Operands<W> operands_of(const SkinnyOperands& a) {
   return {a.x, a.ldx, static_cast<const W*>(a.w), a.ldw, a.k, a.y, a.ldy};
@@ -514,16 +529,7 @@ Operands<W> operands_of(const SkinnyOperands& a) {
 void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
   with_weight_type(a.kind, [&](auto element) {
     const auto o = operands_of<decltype(element)>(a);
-    switch (path()) {
-#ifdef SPECDEC_X86
-      case Path::kAvx512:
-        return run_range<Avx512>(o, a.rows, begin, end, block_rows);
-      case Path::kAvx2:
-        return run_range<Avx2>(o, a.rows, begin, end, block_rows);
-#endif
-      default:
-        return run_range<Scalar>(o, a.rows, begin, end, block_rows);
-    }
+    with_isa([&](auto isa) { run_range<decltype(isa)>(o, a.rows, begin, end, block_rows); });
   });
 }
 
@@ -553,16 +559,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
                          y.data_ptr<float>(), out_features, weight_kind(w, "skinny_linear: weight")};
   with_weight_type(a.kind, [&](auto element) {
     const auto o = operands_of<decltype(element)>(a);
-    switch (path()) {
-#ifdef SPECDEC_X86
-      case Path::kAvx512:
-        return run<Avx512>(o, m, out_features, block_rows);
-      case Path::kAvx2:
-        return run<Avx2>(o, m, out_features, block_rows);
-#endif
-      default:
-        return run<Scalar>(o, m, out_features, block_rows);
-    }
+    with_isa([&](auto isa) { run<decltype(isa)>(o, m, out_features, block_rows); });
   });
   return y.view(sizes);
 }
