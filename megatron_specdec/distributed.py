@@ -5,8 +5,10 @@ Use `initialize(tp, pp)` inside a torchrun process (or a process started by `spa
 (tests, command-line tools that were not launched with torchrun).
 """
 
+import importlib
 import os
 import socket
+import warnings
 from datetime import timedelta
 
 import torch
@@ -78,7 +80,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned(local_rank, world_size, port, fn, args):
+def _spawned(local_rank, world_size, port, filters, target, args):
+    # The parent's warning filters before `fn`'s module is imported: a child re-imports
+    # megatron-core, whose import-time warnings the tools quiet (cli.common.BENIGN_WARNINGS).
+    warnings.filters[:] = filters
+    module, name = target
+    fn = getattr(importlib.import_module(module), name)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -94,13 +101,16 @@ def _spawned(local_rank, world_size, port, fn, args):
 
 
 def spawn(fn, world_size: int, *args):
-    """Run `fn(*args)` on `world_size` local processes with torch.distributed env set.
+    """Run `fn(*args)` on `world_size` local processes with torch.distributed env set and this
+    process's warning filters.
 
     `fn` must be importable (a module-level function) and call `initialize` itself.
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    target = (fn.__module__, fn.__qualname__)
+    mp.spawn(_spawned, args=(world_size, free_port(), list(warnings.filters), target, args),
+             nprocs=world_size, join=True)
 
 
 def is_rank0() -> bool:
