@@ -30,6 +30,7 @@ from megatron_specdec.models.layers.sharded import ShardedModuleList
 from megatron_specdec.models.layers.small_rows_linear import (
     SmallRowsColumnParallelLinear,
     SmallRowsRowParallelLinear,
+    rows_linear,
 )
 
 
@@ -129,8 +130,9 @@ class DFlashModule(MegatronModule):
         self.mask_embedding = torch.nn.Parameter(torch.zeros(h, dtype=config.params_dtype))
 
     def context(self, aux: Tensor) -> Tensor:
-        """Captured base states [s, b, n_aux*h] -> the layers' context input [s, b, h]."""
-        return self.hidden_norm(self.fc(aux))
+        """Captured base states [s, b, n_aux*h] -> the layers' context input [s, b, h] (`fc`
+        through the few-row product when drafting: rows_linear is F.linear otherwise)."""
+        return self.hidden_norm(rows_linear(aux, self.fc.weight))
 
     def block_inputs(self, anchor_embeds: Tensor, block_size: int) -> Tensor:
         """[n, b, h] anchor embeddings -> [n*block_size, b, h]: each anchor then block_size-1
