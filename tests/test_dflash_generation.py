@@ -78,6 +78,35 @@ def test_block_matches_training_forward(model):
     assert int(drafter.cache.lengths[0]) == a  # the block left no entries behind
 
 
+def test_greedy_block_reads_the_screened_head(model):
+    """Without a confidence policy the proposer reads each block position's argmax through
+    the screened greedy head: the drafts are the argmax of the block's logits, bitwise."""
+    from megatron_specdec.acceptance.ops import op_available
+    from megatron_specdec.methods.dflash.model import output_weight
+    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
+    from megatron_specdec.models.layers.greedy_head import output_argmax
+
+    ids = torch.tensor([PROMPT])
+    a = 12
+    with torch.no_grad():
+        state = model.run_base(ids)
+
+        class Out:
+            aux = torch.cat(state.aux, dim=-1)[:a]
+
+        drafter = DFlashDrafter(model, model.base.embedding)
+        drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+        logits = drafter.block_logits(K)
+        drafts, counts = drafter.propose(K)
+        hidden = drafter._block_hidden(K)
+        head = output_argmax(hidden.reshape(K, -1), output_weight(model), model.vocab_size,
+                             model.base.tp_group)
+    assert drafts[0].tolist() == logits[:, 0].argmax(-1).tolist()
+    assert counts.tolist() == [K]
+    if op_available("greedy_head"):  # built extension: the head, not the logits, ran
+        assert head is not None and head.tolist() == drafts[0].tolist()
+
+
 def test_batch_greedy_identity(model):
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.inference.generation import plain_generate

@@ -155,20 +155,13 @@ class StageRunner:
         """Argmax ids [b, s] of the logits over normed `hidden` [s, b, h], bitwise those of
         `_logits` (ties: the lowest id): through the screened greedy head where it runs
         (models/layers/greedy_head.py: a quarter of the output layer's bytes), else the logits."""
-        from megatron_specdec.models.layers.greedy_head import greedy_head
-        from megatron_specdec.models.layers.vocab_parallel import best_over_ranks
+        from megatron_specdec.models.layers.greedy_head import output_argmax
 
         s, b, h = hidden.shape
-        weight = self._output_weight()
-        tp = self.model.tp_group
-        offset = tp.rank() * weight.shape[0]
-        rows = max(0, min(weight.shape[0], self.vocab_size - offset))
-        head = greedy_head(weight, rows, s * b) if hidden.dtype == torch.float32 else None
-        if head is None:
+        ids = output_argmax(hidden.transpose(0, 1).reshape(b * s, h), self._output_weight(),
+                            self.vocab_size, self.model.tp_group)
+        if ids is None:
             return self._logits(hidden).argmax(-1)
-        ids, values = head(hidden.transpose(0, 1).reshape(b * s, h))
-        if tp.size() > 1:
-            ids = best_over_ranks(values, ids + offset, tp)
         return ids.view(b, s)
 
     def rewind(self, n):

@@ -35,6 +35,13 @@ def build_draft(model, cfg, vocab_size: int, real_query_groups: int, seed: int =
     return draft
 
 
+def output_weight(spec_model):
+    """This rank's slice of the base's output weight (the embedding's where tied), [Vp/TP, h]."""
+    base = spec_model.base
+    return (base.shared_embedding_or_output_weight() if base.share_embeddings_and_output_weights
+            else base.output_layer.weight)
+
+
 def draft_logits(spec_model, hidden):
     """The base's output layer over draft hidden states [..., h] -> this rank's vocabulary
     slice [..., Vp/TP]; padded ids -inf. (vLLM shares the base's lm_head the same way.)
@@ -42,8 +49,7 @@ def draft_logits(spec_model, hidden):
     (small_rows_linear.rows_linear): megatron's layer runs MKL's GEMM, which on an Intel Xeon
     took 14 ms for a block's 7 rows of SmolLM2's 49,152-row output layer."""
     base = spec_model.base
-    tied = base.share_embeddings_and_output_weights
-    weight = base.shared_embedding_or_output_weight() if tied else base.output_layer.weight
+    weight = output_weight(spec_model)
     if torch.is_grad_enabled():  # training: megatron's layer and its TP gradient regions
         logits, _ = base.output_layer(hidden, weight=weight)
     else:

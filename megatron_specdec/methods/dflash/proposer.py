@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from megatron_specdec.inference.draft_policy import draft_chain
-from megatron_specdec.methods.dflash.model import draft_logits
+from megatron_specdec.methods.dflash.model import draft_logits, output_weight
 from megatron_specdec.models.layers.decode_embedding import decode_embedding
+from megatron_specdec.models.layers.greedy_head import output_argmax
 from megatron_specdec.models.layers.vocab_parallel import (
     vocab_parallel_argmax,
     vocab_parallel_gather,
@@ -59,9 +60,9 @@ class DFlashDrafter:
         self.extend(out.aux, lengths)
         self.pending = pending[:, 0].clone()
 
-    def block_logits(self, k: int) -> Tensor:
-        """This rank's vocabulary slice of the logits of block positions 1..k, [k, b, V/TP]
-        (the cache is left as it was)."""
+    def _block_hidden(self, k: int) -> Tensor:
+        """The draft's final hidden states of block positions 1..k, [k, b, h] (the cache is
+        left as it was)."""
         b = self.pending.shape[0]
         slots = self.cache.place(k + 1, self.pending.device)
         embeds = self.module.block_inputs(
@@ -71,12 +72,17 @@ class DFlashDrafter:
         mask = (keys[None, :] >= ends[:, None])[:, None, None].expand(b, 1, k + 1, -1)
         hidden = self.module.decode(embeds, self._rotary(slots), mask, self.cache)
         # no commit: the block's slots stay beyond each row's length and are overwritten later
-        return draft_logits(self.model, hidden[1:])
+        return hidden[1:]
 
-    def _chain(self, k: int, policy, pick):
-        logits = self.block_logits(k)
+    def block_logits(self, k: int) -> Tensor:
+        """This rank's vocabulary slice of the logits of block positions 1..k, [k, b, V/TP]."""
+        return draft_logits(self.model, self._block_hidden(k))
+
+    def _chain(self, per_position: Tensor, k: int, policy, pick):
+        """draft_chain over the block's per-position logits (or ids) [k, b, ...]."""
         steps = iter(range(1, k))
-        return draft_chain(k, policy, logits[0:1], lambda _: logits[next(steps)][None], pick)
+        return draft_chain(k, policy, per_position[0:1],
+                           lambda _: per_position[next(steps)][None], pick)
 
     def _stack(self, drafts):
         return (torch.stack(drafts, dim=1) if drafts
@@ -87,8 +93,20 @@ class DFlashDrafter:
 
     def propose(self, k: int, policy=None):
         """Up to k greedy drafts [b, n] from one draft forward, and the count [b] each row
-        keeps (a confidence policy cuts each row's block)."""
+        keeps (a confidence policy cuts each row's block). Without a confidence policy only
+        each position's argmax is read: through the screened greedy head where it runs
+        (models/layers/greedy_head.py: a quarter of the output layer's bytes, no logits)."""
         confident = policy is not None and policy.threshold is not None
+        hidden = self._block_hidden(k)
+        ids = None if confident else output_argmax(
+            hidden.reshape(-1, hidden.shape[-1]), output_weight(self.model), self.vocab_size,
+            self.model.base.tp_group)
+        if ids is not None:
+            def take(position):  # [1, b] ids
+                return position.new_ones(position.shape[1], dtype=torch.float64), lambda: (position[0], None)
+
+            drafts, _, counts = self._chain(ids.view(k, -1), k, policy, take)
+            return self._stack(drafts), counts
 
         def pick(logits):
             confidence = (vocab_parallel_log_probs(logits.transpose(0, 1), self.vocab_size)
@@ -96,7 +114,7 @@ class DFlashDrafter:
                           else logits.new_ones(logits.shape[1], dtype=torch.float64))
             return confidence, lambda: (vocab_parallel_argmax(logits[0], self._offset_of(logits)), None)
 
-        drafts, _, counts = self._chain(k, policy, pick)
+        drafts, _, counts = self._chain(draft_logits(self.model, hidden), k, policy, pick)
         return self._stack(drafts), counts
 
     def propose_sampled(self, k: int, policy, sampling, rng):
@@ -110,7 +128,7 @@ class DFlashDrafter:
             return q.max(-1).values.double(), lambda: (
                 torch.multinomial(q, 1, generator=rng)[:, 0], q)
 
-        drafts, probs, counts = self._chain(k, policy, pick)
+        drafts, probs, counts = self._chain(self.block_logits(k), k, policy, pick)
         return self._stack(drafts), counts, torch.stack(probs, dim=1) if probs else None
 
     def _row_block(self, depth: int, row: int) -> Tensor:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
+from megatron_specdec.models.layers.vocab_parallel import best_over_ranks
 from megatron_specdec.models.weight_memory import huge_page_empty
 
 class GreedyHead:
@@ -115,3 +116,17 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
         found = _heads[number] = (weakref.ref(weight, lambda _: _heads.pop(number, None)), key,
                                   GreedyHead(weight, rows))
     return found[2]
+
+
+def output_argmax(x: Tensor, weight: Tensor, vocab_size: int, group) -> Optional[Tensor]:
+    """Argmax ids [n] over the whole vocabulary of x [n, h] times this TP rank's slice of a
+    float32 output weight (its padding rows past `vocab_size` left out), bitwise those of the
+    gathered float32 logits (ties: the lowest id), through the screened head; None where the
+    head does not run (greedy_head: the caller's logits path must)."""
+    offset = group.rank() * weight.shape[0]
+    rows = max(0, min(weight.shape[0], vocab_size - offset))
+    head = greedy_head(weight, rows, x.shape[0]) if x.dtype == torch.float32 else None
+    if head is None:
+        return None
+    ids, values = head(x)
+    return best_over_ranks(values, ids + offset, group) if group.size() > 1 else ids
