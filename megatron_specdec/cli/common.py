@@ -34,6 +34,16 @@ BENIGN_WARNINGS = (
 )
 
 
+def quiet_library_warnings():
+    for message in BENIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+# As a tool imports this module, before it imports the layers that import megatron-core (the
+# imports above do not): those warnings are raised at import time, before setup_logging runs.
+quiet_library_warnings()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the tools' help layout (the module docstring as written) and `renamed`
     ({old flag: new flag}): old spellings still parse, so existing scripts keep working, but
@@ -71,8 +81,7 @@ def setup_logging(level=None):
     logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # also when an earlier call configured logging
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    for message in BENIGN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+    quiet_library_warnings()
 
 
 def run_cli(main) -> int:
