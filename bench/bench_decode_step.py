@@ -6,10 +6,13 @@ models/layers/greedy_head.py) and through megatron's TransformerLayer forward to
 beside the weight products alone and the read-bandwidth bound (of the float32 weights).
 With `--draft SPEC_CKPT` (an EAGLE3 checkpoint) the base is that checkpoint's, and a draft
 step (one chained token: the draft layers and its lm_head) is timed too, through the draft's
-decoding path (Eagle3Layer.decode) and through its layers' forward.
+decoding path (Eagle3Layer.decode) and through its layers' forward. With `--bf16-values`
+every weight of the base is first rounded to a bfloat16 value, as a base trained in bf16 holds
+them: its decoding products then read their 16-bit copies (decode_layer.streamed), and the
+bound is that of the bytes they read.
 
     python bench/bench_decode_step.py [--repeats 30] [--draft runs/base_shipped_eagle3] \
-        [--out bench/results/decode_step.json]
+        [--bf16-values] [--out bench/results/decode_step.json]
 
 Each figure is the median of `repeats` forwards, the two paths interleaved. Writes the CPU
 model, threads, the measured read bandwidth, the commit and the load average with them.
@@ -94,6 +97,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--draft", help="an EAGLE3 speculative checkpoint: time its draft step too")
+    p.add_argument("--bf16-values", action="store_true",
+                   help="round the base's weights to bfloat16 values first (a base trained in bf16)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.repeats < 1:
@@ -105,7 +110,8 @@ def main():
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.models.default_model import default_model_dir
-    from megatron_specdec.models.layers.linear_kernels import machine, product
+    from megatron_specdec.models.layers.decode_layer import streamed
+    from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
 
     setup_logging()
     distributed.initialize(1, 1)
@@ -115,10 +121,17 @@ def main():
     else:
         model, (base, _) = None, model_from_hf(default_model_dir())
     base.eval()
+    if args.bf16_values:
+        with torch.no_grad():
+            for p in base.parameters():
+                p.copy_(p.bfloat16().float())
     load_before = os.getloadavg()[0]
     bandwidth = read_bandwidth_gbs()
     weights = weights_of(base)
-    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    # The layers' products read what `streamed` gives them; the output layer counts its float32
+    # bytes (the greedy head reads a quarter of them, the logits path all).
+    weight_bytes = sum(w.numel() * w.element_size() for w in map(streamed, weights[:-1]))
+    weight_bytes += weights[-1].numel() * weights[-1].element_size()
     bound_ms = weight_bytes / bandwidth / 1e6
 
     g = torch.Generator().manual_seed(0)
@@ -136,11 +149,14 @@ def main():
                     times[path][q].append((time.perf_counter() - start) * 1e3)
                     runner.rewind(q)
         products = [product(w, 1) for w in weights]
+        # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
+        read = [streamed(w) if skinny_block(fn) is not None and i < len(weights) - 1 else w
+                for i, (fn, w) in enumerate(zip(products, weights))]
         inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in weights}
         gemm = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            for fn, w in zip(products, weights):
+            for fn, w in zip(products, read):
                 fn(inputs[w.shape[1]], w)
             gemm.append((time.perf_counter() - start) * 1e3)
     set_lean(base, True)
@@ -149,6 +165,7 @@ def main():
               for path, by_q in times.items()}
     report = {
         "machine": machine(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+        "weights": "bf16 values" if args.bf16_values else "as loaded",
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "read_bandwidth_gbs": round(bandwidth, 2), "weight_mb": round(weight_bytes / 1e6, 1),
         "bound_ms": round(bound_ms, 2), "context": CONTEXT, "repeats": args.repeats,

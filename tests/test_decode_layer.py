@@ -158,6 +158,29 @@ def test_the_whole_layer_op_equals_its_ops_one_by_one_bitwise(family, product, m
     assert torch.equal(whole, apart), (whole - apart).abs().max()
 
 
+def test_a_base_of_bf16_values_streams_its_16_bit_copies_bitwise(monkeypatch):
+    """A base trained in bf16 (float32 parameters holding bf16 values) runs the decode_layers
+    op over the 16-bit copies of its weights: the logits are bitwise those of its float32
+    weights."""
+    from megatron_specdec.models.layers import decode_layer
+
+    distributed.initialize(1, 1)
+    base = base_model(hf_config("llama"))
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(p.bfloat16().float())
+    halves = logits(base, True, True, batch=1)
+    assert all(layer.layer_op for layer in base.decoder.layers)
+
+    def products():  # QKV, output, fc1, fc2 as the op takes them
+        return [layer.op_weights[0][i] for layer in base.decoder.layers for i in (1, 3, 5, 6)]
+
+    assert all(w.dtype == torch.bfloat16 for w in products())
+    monkeypatch.setattr(decode_layer, "narrow_copy", lambda weight: None)
+    assert all(w.dtype == torch.float32 for w in products())
+    assert torch.equal(halves, logits(base, True, True, batch=1))
+
+
 def test_moe_layer_keeps_megatron_forward():
     from megatron_specdec.models.provider import build_model
     from moe_models import config

@@ -37,9 +37,9 @@ from megatron_specdec.models.layers.decode_layer import (
     norm_decode,
     norm_eps,
     residual_add,
+    streamed,
 )
 from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
-from megatron_specdec.models.weight_memory import narrow_copy
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
 
 KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
@@ -136,17 +136,12 @@ class Eagle3Layer(LayerOp, MegatronModule):
     @property
     def op_weights(self) -> tuple:
         """(weights, epsilons) the decode_layers op takes for this layer; each product's weight
-        through its 16-bit copy where it has one (weight_memory.narrow_copy: a draft trained
-        in bf16 streams half the bytes, the same bits), looked up per call, as the copy
-        follows the weight's values."""
-        def stream(linear):
-            narrow = narrow_copy(linear.weight)
-            return linear.weight if narrow is None else narrow
-
-        qkv, proj, fc1, fc2 = self.linears
-        dtype = qkv.weight.dtype
-        return ([self.input_layernorm.weight, stream(qkv), None, stream(proj),
-                 self.pre_mlp_layernorm.weight, stream(fc1), stream(fc2),
+        as decode_layer.streamed gives it (a draft trained in bf16 streams half the bytes)."""
+        linears = self.linears
+        qkv, proj, fc1, fc2 = (streamed(linear.weight) for linear in linears)
+        dtype = linears[0].weight.dtype
+        return ([self.input_layernorm.weight, qkv, None, proj,
+                 self.pre_mlp_layernorm.weight, fc1, fc2,
                  self.hidden_norm.weight if self.first else None],
                 [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype),
                  norm_eps(self.hidden_norm, dtype) if self.first else 0.0])

@@ -31,9 +31,19 @@ from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
+from megatron_specdec.models.weight_memory import narrow_copy
 
 # The arguments `decode` takes; another one given (not None) keeps forward.
 _DECODE_KWARGS = frozenset(("hidden_states", "attention_mask", "inference_context"))
+
+
+def streamed(weight: torch.Tensor) -> torch.Tensor:
+    """The weight a decoding product reads: its 16-bit copy where it has one
+    (weight_memory.narrow_copy: a float32 weight whose values are all bf16 or fp16 values, as
+    a model trained in bf16 has; half the bytes, the same bits), else the weight. Looked up per
+    call: the copy follows the weight's values."""
+    narrow = narrow_copy(weight)
+    return weight if narrow is None else narrow
 
 
 def lean_mlp(mlp) -> bool:
@@ -206,17 +216,26 @@ class DecodeTransformerLayer(LayerOp, TransformerLayer):
         return residual_add(out, bias, hidden_states)
 
     @cached_property
-    def op_weights(self) -> tuple:
-        """(weights, epsilons) the decode_layers op takes for this layer, gathered once:
-        fetched per call through the submodules they cost ~20 us a layer, ~2% of a SmolLM2
-        step on 2 cores."""
+    def _op_operands(self) -> tuple:
+        """(norms and bias, products, epsilons) of the decode_layers op, gathered once: fetched
+        per call through the submodules they cost ~20 us a layer, ~2% of a SmolLM2 step on 2
+        cores."""
         attention, mlp = self.self_attention, self.mlp
         dtype = attention.linear_qkv.weight.dtype
-        return ([self.input_layernorm.weight, attention.linear_qkv.weight,
-                 attention.linear_qkv.bias, attention.linear_proj.weight,
-                 self.pre_mlp_layernorm.weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight, None],
+        return ((self.input_layernorm.weight, attention.linear_qkv.bias,
+                 self.pre_mlp_layernorm.weight),
+                (attention.linear_qkv.weight, attention.linear_proj.weight,
+                 mlp.linear_fc1.weight, mlp.linear_fc2.weight),
                 [norm_eps(self.input_layernorm, dtype), norm_eps(self.pre_mlp_layernorm, dtype),
                  0.0])
+
+    @property
+    def op_weights(self) -> tuple:
+        """(weights, epsilons) the decode_layers op takes for this layer, each product's weight
+        as `streamed` gives it (a base trained in bf16 streams half the bytes)."""
+        (norm1, bias, norm2), (qkv, proj, fc1, fc2), eps = self._op_operands
+        return ([norm1, streamed(qkv), bias, streamed(proj), norm2, streamed(fc1), streamed(fc2),
+                 None], eps)
 
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
