@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_specdec.checkpointing.checkpoint import write_text_atomic
+from megatron_specdec.data.jsonl import BadRows, iter_jsonl
 from megatron_specdec.evaluation.plots import plot_acceptance
 from megatron_specdec.inference.metrics import summarise_by_category
 
@@ -25,26 +27,35 @@ def check_batch_size(batch_size):
 
 
 
+def _first_turn(record: dict):
+    """The first user turn of a prompt record: MT-bench's `turns`, a `prompt`, or the first
+    user message of a conversation (the training data's rows)."""
+    if record.get("turns"):
+        return record["turns"][0]
+    if "prompt" in record:
+        return record["prompt"]
+    return next((m.get("content") for m in record.get("conversations") or ()
+                 if isinstance(m, dict) and m.get("role") == "user"), None)
+
+
 def read_prompts(path, tokenizer, num_prompts=None):
-    """[(category, token ids)] for the first turn of each question in a jsonl file."""
+    """[(category, token ids)] of each record's first user turn in a jsonl file (`.gz` read
+    decompressed). Conversation rows count too, so that a file of one's own data kept out of
+    training is a validation split; a record's category is its `category`, else its `source`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            text = record["turns"][0] if record.get("turns") else record.get("prompt")
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{path}:{n}: no `turns` or `prompt` text")
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
-            out.append((record.get("category", "all"), list(ids)))
-            if num_prompts is not None and len(out) >= num_prompts:
-                break
+    for n, record in iter_jsonl(path, BadRows("fail")):
+        text = _first_turn(record)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{path}:{n}: no `turns`, `prompt` or user message in `conversations`")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        out.append((record.get("category") or record.get("source") or "all", list(ids)))
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
     if not out:
         raise ValueError(f"{path} holds no prompts")
     return out
@@ -168,7 +179,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     if out_dir is not None and is_rank0():
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "acceptance.json").write_text(json.dumps(report, indent=2))
+        write_text_atomic(out_dir / "acceptance.json", json.dumps(report, indent=2))
         plot_acceptance(report, out_dir / "acceptance.png")
     return report
 

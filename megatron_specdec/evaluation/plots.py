@@ -1,5 +1,8 @@
 """Plots of an acceptance report."""
 
+import os
+from pathlib import Path
+
 
 def plot_acceptance(report, path):
     """Acceptance rate per draft position: overall (bold) and one line per category."""
@@ -28,8 +31,11 @@ def plot_acceptance(report, path):
                  f"({shape}, {report['num_prompts']} prompts)")
     ax.legend(fontsize=8, title="category (acceptance length)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")  # renamed into place once whole
+    fig.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
+    os.replace(partial, path)
 
 
 def _nan(values):
