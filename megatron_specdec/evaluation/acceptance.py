@@ -26,7 +26,6 @@ def check_batch_size(batch_size):
         raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
 
 
-
 def _first_turn(record: dict):
     """The first user turn of a prompt record: MT-bench's `turns`, a `prompt`, or the first
     user message of a conversation (the training data's rows)."""

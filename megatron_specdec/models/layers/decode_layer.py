@@ -237,6 +237,7 @@ class DecodeTransformerLayer(LayerOp, TransformerLayer):
         return ([norm1, streamed(qkv), bias, streamed(proj), norm2, streamed(fc1), streamed(fc2),
                  None], eps)
 
+
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
     `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
