@@ -99,7 +99,10 @@ def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     copy = None
     with torch.no_grad():
+        head = weight.reshape(-1)[:4096]
         for dtype in (torch.bfloat16, torch.float16):
+            if not torch.equal(head.to(dtype).float(), head):
+                continue  # a weight of float32 values shows it in its first ones
             narrow = weight.to(dtype)
             if torch.equal(narrow.float(), weight):
                 copy = huge_page_empty(weight.numel(), dtype).view(weight.shape)
