@@ -60,6 +60,26 @@ def test_narrow_copy_only_of_exact_values_and_rebuilt_when_they_change():
     assert torch.equal(narrow_copy(bf16).float(), bf16)
 
 
+def test_no_narrow_copy_past_the_first_values_or_the_memory(monkeypatch, caplog):
+    """A weight whose first 4096 values are bf16 values but not a later one gets no copy; nor
+    does one whose copy would take more than half the memory left (warned once)."""
+    from megatron_specdec.models import weight_memory
+
+    late = torch.randn(64, 128).bfloat16().float()
+    late[63, 127] = 1.0 + 2.0 ** -20
+    assert weight_memory.narrow_copy(late) is None
+    monkeypatch.setattr(weight_memory, "available_bytes", lambda: 3 * 64 * 128)
+    monkeypatch.setattr(weight_memory, "_warned_memory", False)
+    tight = torch.randn(64, 128).bfloat16().float()
+    with caplog.at_level("WARNING", logger=weight_memory.__name__):
+        assert weight_memory.narrow_copy(tight) is None
+        assert weight_memory.narrow_copy(torch.randn(8, 8).bfloat16().float()) is not None
+        assert weight_memory.narrow_copy(tight.clone()) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "no 16-bit copy of a [64, 128] weight (0 MB, 0 MB of memory available): such weights "
+        "are read in float32"]
+
+
 def test_decoding_linear_over_a_narrow_copy_equals_its_float32_product(monkeypatch):
     from megatron_specdec.acceptance.ops import op_available
     from megatron_specdec.models.layers import linear_kernels

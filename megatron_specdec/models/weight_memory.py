@@ -85,12 +85,41 @@ def place_weights(module: torch.nn.Module):
 # id -> (weak reference, (data pointer, version), copy or None) of each float32 weight asked
 # for a narrow copy; keyed by id, as tensors compare elementwise.
 _narrow = {}
+_warned_memory = False
+
+
+def available_bytes() -> Optional[int]:
+    """The memory the system can still give (Linux MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _room_for(nbytes: int, shape) -> bool:
+    """Whether a copy of nbytes leaves at least as much available memory again (a float32
+    8B base on a CPU would otherwise grow by half); warns once where it does not."""
+    global _warned_memory
+    available = available_bytes()
+    if available is None or 2 * nbytes <= available:
+        return True
+    if not _warned_memory:
+        _warned_memory = True
+        log.warning("no 16-bit copy of a %s weight (%.0f MB, %.0f MB of memory available): "
+                    "such weights are read in float32", list(shape), nbytes / 1e6,
+                    available / 1e6)
+    return False
 
 
 def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """A bfloat16, else float16, copy of the float32 CPU matrix `weight` on huge pages when
-    each of its values is exactly a value of that type (None otherwise). Checked once per
-    weight, and again after its storage or values change (placement, a training step)."""
+    each of its values is exactly a value of that type and the memory has room (None
+    otherwise). Checked once per weight, and again after its storage or values change
+    (placement, a training step)."""
     found = _narrow.get(id(weight))  # the decoding layers ask ~120 times a SmolLM2 step
     key = (weight.data_ptr(), weight._version)
     if found is not None and found[0]() is weight and found[1] == key:
@@ -104,7 +133,8 @@ def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
             if not torch.equal(head.to(dtype).float(), head):
                 continue  # a weight of float32 values shows it in its first ones
             narrow = weight.to(dtype)
-            if torch.equal(narrow.float(), weight):
+            if (torch.equal(narrow.float(), weight)
+                    and _room_for(narrow.numel() * narrow.element_size(), weight.shape)):
                 copy = huge_page_empty(weight.numel(), dtype).view(weight.shape)
                 copy.copy_(narrow)
                 break
