@@ -107,6 +107,46 @@ def test_greedy_block_reads_the_screened_head(model):
         assert head is not None and head.tolist() == drafts[0].tolist()
 
 
+def test_confident_block_reads_the_screened_head(model):
+    """With a confidence policy the proposer reads each block position's argmax and its
+    probability through the screened head (no float32 logits): the probabilities lie within
+    the screen's error of the block logits' softmax maxima, and the block is cut where their
+    running product falls below the threshold."""
+    from megatron_specdec.acceptance.ops import op_available
+    from megatron_specdec.inference.draft_policy import DraftPolicy
+    from megatron_specdec.methods.dflash.model import output_weight
+    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
+    from megatron_specdec.models.layers.greedy_head import output_argmax_confidence
+
+    if not op_available("greedy_head"):
+        pytest.skip("megatron_specdec._C is not built with greedy_head: the logits path runs")
+    ids = torch.tensor([PROMPT])
+    a = 12
+    with torch.no_grad():
+        state = model.run_base(ids)
+
+        class Out:
+            aux = torch.cat(state.aux, dim=-1)[:a]
+
+        drafter = DFlashDrafter(model, model.base.embedding)
+        drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+        logits = drafter.block_logits(K)[:, 0].float()
+        hidden = drafter._block_hidden(K)
+        found = output_argmax_confidence(hidden.reshape(K, -1), output_weight(model),
+                                         model.vocab_size, model.base.tp_group)
+        assert found is not None
+        top_ids, top = found
+        exact = logits.log_softmax(-1).max(-1).values.double().exp()
+        assert top_ids.tolist() == logits.argmax(-1).tolist()
+        assert torch.allclose(top, exact, rtol=0.02), (top, exact)
+        chain = top.cumprod(0)
+        keep = 3  # a threshold between the third and the fourth running product
+        policy = DraftPolicy(K, float(chain[keep - 1] + chain[keep]) / 2)
+        drafts, counts = drafter.propose(K, policy)
+    assert counts.tolist() == [keep]
+    assert drafts[0, :keep].tolist() == top_ids[:keep].tolist()
+
+
 def test_batch_greedy_identity(model):
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.inference.generation import plain_generate

@@ -48,11 +48,37 @@ def test_greedy_head_equals_the_argmax_of_the_float32_logits():
     _check_head()
 
 
+def _check_screened(seed: int = 0):
+    """With `screened` the op also gives every screened logit, each within its bound of the
+    float32 logit; the ids and logits are those of the plain call, bitwise."""
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+
+    w = close_rows(seed)
+    head = GreedyHead(w, w.shape[0])
+    g = torch.Generator().manual_seed(seed + 2)
+    k = w.shape[1]
+    qmax = min(32767, (2 ** 31 - 1) // (127 * k))
+    for rows in (1, 3, 7, 16):
+        x = torch.randn(rows, k, generator=g) * 3
+        ids, values, z = head(x, screened=True)
+        assert all(torch.equal(a, b) for a, b in zip((ids, values), head(x)))
+        full = logits(x, w)
+        t = x.abs().amax(1, keepdim=True) / qmax
+        e = (x.double() - t.double() * (x / t).round().clamp(-qmax, qmax).double()).norm(dim=1)
+        bound = head.bound[0] * x.norm(dim=1)[:, None] + head.bound[1] * e.float()[:, None]
+        assert z.shape == full.shape and bool(((z - full).abs() <= bound * 1.01).all())
+        assert bool(((z - full).abs() > 0).any())  # screened, not the float32 logits
+
+
+def test_screened_logits_lie_within_their_bounds():
+    _check_screened()
+
+
 def test_greedy_head_on_every_isa_path():
     """The lower ISA paths (forced in a fresh process) screen as exactly."""
     from test_skinny_gemm import on_lower_isa_paths
 
-    on_lower_isa_paths("import test_greedy_head as t\nt._check_head(3)\n")
+    on_lower_isa_paths("import test_greedy_head as t\nt._check_head(3)\nt._check_screened(4)\n")
 
 
 def test_the_bound_is_what_keeps_the_maximum():

@@ -107,6 +107,9 @@ struct IntOperands {
   const float* t;
   const float* X;
   const float* E;
+  // Where asked for, every screened logit: z [m, ldz] (row r of x, weight row n).
+  float* z = nullptr;
+  int64_t ldz = 0;
 };
 
 // What one thread's share of the weight rows leaves for each row of x: the largest lower end
@@ -128,6 +131,7 @@ struct Kept {
 
   void add(int64_t r, int64_t n, int32_t d) {
     const float z = (o.scale[n] * o.t[r]) * static_cast<float>(d);
+    if (o.z != nullptr) o.z[r * o.ldz + n] = z;
     if (!std::isfinite(z)) bad[r] = 1;
     const float b = std::fma(o.a[n], o.X[r], o.c[n] * o.E[r]) + kSlack;
     float& low = lanes[r / 4 * 16 + n % 4 * 4 + r % 4];
@@ -225,6 +229,14 @@ __attribute__((target("avx512f"))) void add16(Kept& kept, int64_t n0, int64_t r0
   const IntOperands& o = kept.o;
   const __mmask16 valid = static_cast<__mmask16>(0x1111 * ((1u << rows) - 1u));
   const __m512 z = _mm512_mul_ps(_mm512_mul_ps(by_n(o.scale, n0), by_r(o.t, r0)), _mm512_cvtepi32_ps(d));
+  if (o.z != nullptr) {
+    alignas(64) float zs[16];
+    _mm512_store_ps(zs, z);
+    for (uint32_t mask = valid; mask; mask &= mask - 1) {
+      const int l = __builtin_ctz(mask);
+      o.z[(r0 + l % 4) * o.ldz + n0 + l / 4] = zs[l];
+    }
+  }
   const __m512 b = _mm512_add_ps(
       _mm512_fmadd_ps(by_n(o.a, n0), by_r(o.X, r0), _mm512_mul_ps(by_n(o.c, n0), by_r(o.E, r0))),
       _mm512_set1_ps(Kept::kSlack));
@@ -416,9 +428,9 @@ void pick(const at::Tensor& x, const at::Tensor& weight, int64_t r, const std::v
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at::Tensor& screen,
-                                                   const at::Tensor& scale, const at::Tensor& weight,
-                                                   const at::Tensor& bound) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at::Tensor& screen,
+                                                               const at::Tensor& scale, const at::Tensor& weight,
+                                                               const at::Tensor& bound, bool screened) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "greedy_head: x must be float32 [m, K], got ",
               x.scalar_type(), " of shape ", x.sizes());
   TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kChar && screen.size(1) == x.size(1) &&
@@ -442,7 +454,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at
   const at::Tensor rows = x.contiguous();
   at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
   at::Tensor logits = at::empty({m}, x.options());
-  if (m == 0) return {ids, logits};
+  at::Tensor z = at::empty({screened ? m : 0, screened ? n : 0}, x.options());
+  if (m == 0) return {ids, logits, z};
 
   const int64_t kp = (k + 31) / 32 * 32;
   std::vector<int16_t> p(static_cast<size_t>(m * kp), 0);
@@ -457,7 +470,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at
     norm_e[r] = row_of_x[r].E;
   }
   const IntOperands o{screen.data_ptr<int8_t>(), n, k, p.data(), kp, scale.data_ptr<float>(),
-                      bound.data_ptr<float>(), bound.data_ptr<float>() + n, t.data(), norm_x.data(), norm_e.data()};
+                      bound.data_ptr<float>(), bound.data_ptr<float>() + n, t.data(), norm_x.data(), norm_e.data(),
+                      screened ? z.data_ptr<float>() : nullptr, n};
 
   // Blocks of four weight rows spread over torch's threads; each thread's Kept joins `all`.
   const IntPath path = int_path();
@@ -505,7 +519,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at
       pick(rows, weight, r, candidates, id + r, logit + r);
     }
   });
-  return {ids, logits};
+  return {ids, logits, z};
 }
 
 }  // namespace specdec

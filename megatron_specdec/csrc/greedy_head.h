@@ -19,11 +19,14 @@ namespace specdec {
 
 // x [m, K] float32, screen [N, K] int8 (weight row n ~ scale[n] screen[n]), scale [N] float32,
 // weight [N, K] float32 (rows contiguous), bound [2, N] float32 -> (ids [m] int64, logits [m]
-// float32): per row of x the first index of the largest float32 logit and that logit. A row of
+// float32, z): per row of x the first index of the largest float32 logit and that logit. A row of
 // x that cannot be screened (a value not finite, all zeros) is computed in float32 throughout (a
-// NaN logit wins, as in torch.argmax).
-std::tuple<at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at::Tensor& screen,
-                                                   const at::Tensor& scale, const at::Tensor& weight,
-                                                   const at::Tensor& bound);
+// NaN logit wins, as in torch.argmax). With `screened`, z [m, N] holds every screened logit
+// (within bound[0][n] ||x|| + bound[1][n] ||x - x16|| of the float32 one; zero for a row of x
+// that cannot be screened), which a log-sum-exp turns into the softmax's normaliser; else z is
+// empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_head_cpu(const at::Tensor& x, const at::Tensor& screen,
+                                                               const at::Tensor& scale, const at::Tensor& weight,
+                                                               const at::Tensor& bound, bool screened);
 
 }  // namespace specdec

@@ -34,7 +34,9 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "float alpha) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight, int block_rows=0) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
-  m.def("greedy_head(Tensor x, Tensor screen, Tensor scale, Tensor weight, Tensor bound) -> (Tensor, Tensor)");
+  m.def(
+      "greedy_head(Tensor x, Tensor screen, Tensor scale, Tensor weight, Tensor bound, bool screened=False) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def(

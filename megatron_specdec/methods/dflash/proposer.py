@@ -18,7 +18,7 @@ from torch import Tensor
 from megatron_specdec.inference.draft_policy import draft_chain
 from megatron_specdec.methods.dflash.model import draft_logits, output_weight
 from megatron_specdec.models.layers.decode_embedding import decode_embedding
-from megatron_specdec.models.layers.greedy_head import output_argmax
+from megatron_specdec.models.layers.greedy_head import output_argmax, output_argmax_confidence
 from megatron_specdec.models.layers.vocab_parallel import (
     vocab_parallel_argmax,
     vocab_parallel_gather,
@@ -93,19 +93,23 @@ class DFlashDrafter:
 
     def propose(self, k: int, policy=None):
         """Up to k greedy drafts [b, n] from one draft forward, and the count [b] each row
-        keeps (a confidence policy cuts each row's block). Without a confidence policy only
-        each position's argmax is read: through the screened greedy head where it runs
-        (models/layers/greedy_head.py: a quarter of the output layer's bytes, no logits)."""
+        keeps (a confidence policy cuts each row's block). Each position's argmax, and for a
+        confidence policy its probability, come from the screened greedy head where it runs
+        (models/layers/greedy_head.py: a quarter of the output layer's bytes, no float32
+        logits; the probability's normaliser from the screened logits)."""
         confident = policy is not None and policy.threshold is not None
         hidden = self._block_hidden(k)
-        ids = None if confident else output_argmax(
-            hidden.reshape(-1, hidden.shape[-1]), output_weight(self.model), self.vocab_size,
-            self.model.base.tp_group)
-        if ids is not None:
-            def take(position):  # [1, b] ids
-                return position.new_ones(position.shape[1], dtype=torch.float64), lambda: (position[0], None)
+        rows = (hidden.reshape(-1, hidden.shape[-1]), output_weight(self.model), self.vocab_size,
+                self.model.base.tp_group)
+        found = output_argmax_confidence(*rows) if confident else output_argmax(*rows)
+        if found is not None:
+            ids, top = found if confident else (found, torch.ones_like(found, dtype=torch.float64))
+            per_position = torch.stack([ids.double(), top], -1).view(k, -1, 2)
 
-            drafts, _, counts = self._chain(ids.view(k, -1), k, policy, take)
+            def take(position):  # [1, b, (id, probability)]
+                return position[0, :, 1], lambda: (position[0, :, 0].long(), None)
+
+            drafts, _, counts = self._chain(per_position, k, policy, take)
             return self._stack(drafts), counts
 
         def pick(logits):

@@ -70,14 +70,17 @@ class GreedyHead:
         bound = (bound * (1 + 2.0 ** -10)).float()
         self.bound = torch.nextafter(bound, torch.full_like(bound, math.inf))
 
-    def __call__(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """(ids [m], float32 logits at them [m]) of x [m, K]; a slice of padding rows only
-        (a TP rank past the vocabulary) offers id 0 at -inf."""
+    def __call__(self, x: Tensor, screened: bool = False) -> Tuple[Tensor, ...]:
+        """(ids [m], float32 logits at them [m]) of x [m, K], and with `screened` every
+        screened logit [m, rows] (each within its bound of the float32 one); a slice of
+        padding rows only (a TP rank past the vocabulary) offers id 0 at -inf."""
         if not self.weight.shape[0]:
-            return (torch.zeros(x.shape[0], dtype=torch.long),
-                    torch.full((x.shape[0],), -math.inf))
-        return torch.ops.megatron_specdec.greedy_head(x, self.screen, self.scale, self.weight,
-                                                        self.bound)
+            m = x.shape[0]
+            return (torch.zeros(m, dtype=torch.long), torch.full((m,), -math.inf),
+                    torch.empty(m, 0))[:3 if screened else 2]
+        out = torch.ops.megatron_specdec.greedy_head(x, self.screen, self.scale, self.weight,
+                                                       self.bound, screened)
+        return out if screened else out[:2]
 
 
 # K 127 127 within int32: the screen's x keeps at least int8's resolution (csrc/greedy_head.cpp).
@@ -118,15 +121,49 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
     return found[2]
 
 
-def output_argmax(x: Tensor, weight: Tensor, vocab_size: int, group) -> Optional[Tensor]:
+def output_argmax(x: Tensor, weight: Tensor, vocab_size: int, group):
     """Argmax ids [n] over the whole vocabulary of x [n, h] times this TP rank's slice of a
     float32 output weight (its padding rows past `vocab_size` left out), bitwise those of the
     gathered float32 logits (ties: the lowest id), through the screened head; None where the
     head does not run (greedy_head: the caller's logits path must)."""
+    found = _screened(x, weight, vocab_size, group, False)
+    return None if found is None else found[0]
+
+
+def output_argmax_confidence(x: Tensor, weight: Tensor, vocab_size: int, group):
+    """(output_argmax's ids [n], their softmax probability [n] float64) or None. The
+    probability is the float32 maximum over the log-sum-exp of the screened logits: each
+    screened logit is within its row's bound of the float32 one, so the log-probability is
+    within twice the largest bound of the logits path's (a confidence policy's input, not
+    a draft)."""
+    found = _screened(x, weight, vocab_size, group, True)
+    if found is None:
+        return None
+    ids, values, lse = found
+    return ids, (values.double() - lse.double()).exp()
+
+
+def _screened(x, weight, vocab_size, group, confidence: bool):
+    """(ids, largest float32 logits, and with `confidence` the screened log-sum-exp) over
+    every TP rank's slice, or None where the head does not run."""
     offset = group.rank() * weight.shape[0]
     rows = max(0, min(weight.shape[0], vocab_size - offset))
     head = greedy_head(weight, rows, x.shape[0]) if x.dtype == torch.float32 else None
     if head is None:
         return None
-    ids, values = head(x)
-    return best_over_ranks(values, ids + offset, group) if group.size() > 1 else ids
+    if not confidence:
+        ids, values = head(x)
+        lse = None
+    else:
+        ids, values, screened = head(x, screened=True)
+        lse = screened.logsumexp(-1)
+    if group.size() == 1:
+        return ids, values, lse
+    best = best_over_ranks(values, ids + offset, group)
+    if lse is None:
+        return best, None, None
+    parts = torch.stack([values.double(), lse.double()])
+    gathered = [torch.empty_like(parts) for _ in range(group.size())]
+    torch.distributed.all_gather(gathered, parts, group=group)
+    stacked = torch.stack(gathered)  # [TP, 2, n]
+    return best, stacked[:, 0].amax(0), stacked[:, 1].logsumexp(0)
