@@ -78,24 +78,31 @@ def test_block_matches_training_forward(model):
     assert int(drafter.cache.lengths[0]) == a  # the block left no entries behind
 
 
+def _drafter_at(model, a: int = 12):
+    """A DFlashDrafter started after PROMPT's first `a` tokens (their base states as context,
+    token a pending)."""
+    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
+
+    ids = torch.tensor([PROMPT])
+    state = model.run_base(ids)
+
+    class Out:
+        aux = torch.cat(state.aux, dim=-1)[:a]
+
+    drafter = DFlashDrafter(model, model.base.embedding)
+    drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+    return drafter
+
+
 def test_greedy_block_reads_the_screened_head(model):
     """Without a confidence policy the proposer reads each block position's argmax through
     the screened greedy head: the drafts are the argmax of the block's logits, bitwise."""
     from megatron_specdec.acceptance.ops import op_available
     from megatron_specdec.methods.dflash.model import output_weight
-    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
     from megatron_specdec.models.layers.greedy_head import output_argmax
 
-    ids = torch.tensor([PROMPT])
-    a = 12
     with torch.no_grad():
-        state = model.run_base(ids)
-
-        class Out:
-            aux = torch.cat(state.aux, dim=-1)[:a]
-
-        drafter = DFlashDrafter(model, model.base.embedding)
-        drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+        drafter = _drafter_at(model)
         logits = drafter.block_logits(K)
         drafts, counts = drafter.propose(K)
         hidden = drafter._block_hidden(K)
@@ -115,21 +122,12 @@ def test_confident_block_reads_the_screened_head(model):
     from megatron_specdec.acceptance.ops import op_available
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.methods.dflash.model import output_weight
-    from megatron_specdec.methods.dflash.proposer import DFlashDrafter
     from megatron_specdec.models.layers.greedy_head import output_argmax_confidence
 
     if not op_available("greedy_head"):
         pytest.skip("megatron_specdec._C is not built with greedy_head: the logits path runs")
-    ids = torch.tensor([PROMPT])
-    a = 12
     with torch.no_grad():
-        state = model.run_base(ids)
-
-        class Out:
-            aux = torch.cat(state.aux, dim=-1)[:a]
-
-        drafter = DFlashDrafter(model, model.base.embedding)
-        drafter.start(ids[:, :a], torch.tensor([a]), ids[:, a:a + 1], Out, 64)
+        drafter = _drafter_at(model)
         logits = drafter.block_logits(K)[:, 0].float()
         hidden = drafter._block_hidden(K)
         found = output_argmax_confidence(hidden.reshape(K, -1), output_weight(model),
