@@ -133,9 +133,9 @@ def output_argmax(x: Tensor, weight: Tensor, vocab_size: int, group):
 def output_argmax_confidence(x: Tensor, weight: Tensor, vocab_size: int, group):
     """(output_argmax's ids [n], their softmax probability [n] float64) or None. The
     probability is the float32 maximum over the log-sum-exp of the screened logits: each
-    screened logit is within its row's bound of the float32 one, so the log-probability is
-    within twice the largest bound of the logits path's (a confidence policy's input, not
-    a draft)."""
+    screened logit is within its row's bound of the float32 one, so their log-sum-exp, and
+    with it the log-probability, is within the largest bound of the logits path's (a
+    confidence policy's input, not a draft)."""
     found = _screened(x, weight, vocab_size, group, True)
     if found is None:
         return None
