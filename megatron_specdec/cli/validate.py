@@ -8,10 +8,12 @@
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
         [--acceptance typical [--typical-eps 0.09] [--typical-alpha 0.3]] [--batch-size 4]
 
-Each line is a question: the first of its `turns` (MT-bench; or its `prompt`) goes through
-the tokenizer's chat template as one user message; later turns are not used (a multi-turn
-evaluation would need the model's own earlier answers in the context). `category` groups the
-report. Speculative generation runs --batch-size prompts at a time (default 1; rows accept
+Each line is a question: the first of its `turns` (MT-bench; or its `prompt`, or the first
+user message of a training row's `conversations`) goes through the tokenizer's chat template as
+one user message; later turns are not used (a multi-turn evaluation would need the model's own
+earlier answers in the context). `category` (else `source`) groups the report. A `.gz` file is
+read decompressed, so a data file kept out of training is a validation split as it stands
+(`--data data/smollm2_regen_steered11.jsonl.gz --num-prompts 40`). Speculative generation runs --batch-size prompts at a time (default 1; rows accept
 ragged counts); plain generation of the same base on the same batches gives the tokens/s
 baseline of the same runtime and checks that both produce the same tokens. Prints a short
 table (acceptance length, per-position acceptance, tokens/s, identity) and writes the full
