@@ -8,7 +8,7 @@ With `--draft SPEC_CKPT` (an EAGLE3 checkpoint) the base is that checkpoint's, a
 step (one chained token: the draft layers and its lm_head) is timed too, through the draft's
 decoding path (Eagle3Layer.decode) and through its layers' forward. With `--bf16-values`
 every weight of the base is first rounded to a bfloat16 value, as a base trained in bf16 holds
-them: its decoding products then read their 16-bit copies (decode_layer.streamed), and the
+them: its decoding products then read their 16-bit copies (weight_memory.streamed), and the
 bound is that of the bytes they read.
 
     python bench/bench_decode_step.py [--repeats 30] [--draft runs/base_shipped_eagle3] \
@@ -110,8 +110,8 @@ def main():
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.models.default_model import default_model_dir
-    from megatron_specdec.models.layers.decode_layer import streamed
-    from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
+        from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
+    from megatron_specdec.models.weight_memory import streamed
 
     setup_logging()
     distributed.initialize(1, 1)

@@ -162,7 +162,7 @@ def test_a_base_of_bf16_values_streams_its_16_bit_copies_bitwise(monkeypatch):
     """A base trained in bf16 (float32 parameters holding bf16 values) runs the decode_layers
     op over the 16-bit copies of its weights: the logits are bitwise those of its float32
     weights."""
-    from megatron_specdec.models.layers import decode_layer
+    from megatron_specdec.models import weight_memory
 
     distributed.initialize(1, 1)
     base = base_model(hf_config("llama"))
@@ -176,7 +176,7 @@ def test_a_base_of_bf16_values_streams_its_16_bit_copies_bitwise(monkeypatch):
         return [layer.op_weights[0][i] for layer in base.decoder.layers for i in (1, 3, 5, 6)]
 
     assert all(w.dtype == torch.bfloat16 for w in products())
-    monkeypatch.setattr(decode_layer, "narrow_copy", lambda weight: None)
+    monkeypatch.setattr(weight_memory, "narrow_copy", lambda weight: None)
     assert all(w.dtype == torch.float32 for w in products())
     assert torch.equal(halves, logits(base, True, True, batch=1))
 

@@ -132,12 +132,21 @@ def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         for dtype in (torch.bfloat16, torch.float16):
             if not torch.equal(head.to(dtype).float(), head):
                 continue  # a weight of float32 values shows it in its first ones
+            if not _room_for(weight.numel() * dtype.itemsize, weight.shape):
+                break  # checked before the conversion, which needs that memory too
             narrow = weight.to(dtype)
-            if (torch.equal(narrow.float(), weight)
-                    and _room_for(narrow.numel() * narrow.element_size(), weight.shape)):
+            if torch.equal(narrow.float(), weight):
                 copy = huge_page_empty(weight.numel(), dtype).view(weight.shape)
                 copy.copy_(narrow)
                 break
     number = id(weight)
     _narrow[number] = (weakref.ref(weight, lambda _: _narrow.pop(number, None)), key, copy)
     return copy
+
+
+def streamed(weight: torch.Tensor) -> torch.Tensor:
+    """The weight a skinny decoding product reads: its 16-bit copy where it has one (half the
+    bytes, the same bits), else the weight. Looked up per call: the copy follows the weight's
+    values."""
+    narrow = narrow_copy(weight)
+    return weight if narrow is None else narrow

@@ -37,9 +37,9 @@ from megatron_specdec.models.layers.decode_layer import (
     norm_decode,
     norm_eps,
     residual_add,
-    streamed,
 )
 from megatron_specdec.models.layers.small_rows_linear import SmallRowsColumnParallelLinear
+from megatron_specdec.models.weight_memory import streamed
 from megatron_specdec.methods.eagle3.ttt_attention import TTTMask, ttt_attention
 
 KVBlocks = List[Tuple[Tensor, Tensor]]  # one (key, value) [s, b, groups, head_dim] per step
@@ -136,7 +136,7 @@ class Eagle3Layer(LayerOp, MegatronModule):
     @property
     def op_weights(self) -> tuple:
         """(weights, epsilons) the decode_layers op takes for this layer; each product's weight
-        as decode_layer.streamed gives it (a draft trained in bf16 streams half the bytes)."""
+        as weight_memory.streamed gives it (a draft trained in bf16 streams half the bytes)."""
         linears = self.linears
         qkv, proj, fc1, fc2 = (streamed(linear.weight) for linear in linears)
         dtype = linears[0].weight.dtype

@@ -31,19 +31,10 @@ from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
-from megatron_specdec.models.weight_memory import narrow_copy
+from megatron_specdec.models.weight_memory import streamed
 
 # The arguments `decode` takes; another one given (not None) keeps forward.
 _DECODE_KWARGS = frozenset(("hidden_states", "attention_mask", "inference_context"))
-
-
-def streamed(weight: torch.Tensor) -> torch.Tensor:
-    """The weight a decoding product reads: its 16-bit copy where it has one
-    (weight_memory.narrow_copy: a float32 weight whose values are all bf16 or fp16 values, as
-    a model trained in bf16 has; half the bytes, the same bits), else the weight. Looked up per
-    call: the copy follows the weight's values."""
-    narrow = narrow_copy(weight)
-    return weight if narrow is None else narrow
 
 
 def lean_mlp(mlp) -> bool:

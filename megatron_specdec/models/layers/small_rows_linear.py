@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product, skinny_block
-from megatron_specdec.models.weight_memory import narrow_copy
+from megatron_specdec.models.weight_memory import streamed
 
 
 def uses_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -27,14 +27,13 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The measured product; where it is the skinny op and the weight has a narrow copy
-    (weight_memory.narrow_copy: the same values in 16 bits), the op over that copy."""
+    """The measured product; where it is the skinny op, over the weight as
+    weight_memory.streamed gives it (its 16-bit copy where it has one)."""
     fn = product(weight, x.numel() // max(1, x.shape[-1]))
     block = skinny_block(fn)
-    narrow = None if block is None else narrow_copy(weight)
-    if narrow is not None:
-        return torch.ops.megatron_specdec.skinny_linear(x, narrow, block)
-    return fn(x, weight)
+    if block is None:
+        return fn(x, weight)
+    return torch.ops.megatron_specdec.skinny_linear(x, streamed(weight), block)
 
 
 class _SmallRowsMixin:
