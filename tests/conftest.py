@@ -16,6 +16,20 @@ SOURCES_DIR = Path(os.environ.get("SPECDEC_SHARED_DATA", REPO / "data" / "source
 warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
 
 
+def cpu_summary() -> str:
+    """The machine a numeric result came from (CPU model, vector flags, threads, kernel
+    build): CI's machines vary, and a failure's log should say which one it ran on."""
+    from megatron_specdec.models.layers.linear_kernels import machine
+
+    m = machine()
+    return (f"{m['cpu']} [{' '.join(m['flags'])}], {m['cores']} cores, {m['threads']} threads, "
+            f"torch {m['torch']}, kernel {m['kernel']}")
+
+
+def pytest_report_header(config):
+    return f"cpu: {cpu_summary()}"
+
+
 @pytest.fixture(scope="module")
 def one_process():
     """A single-process (TP=PP=1) model-parallel group for a test module's in-process models."""

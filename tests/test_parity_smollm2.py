@@ -5,7 +5,7 @@ groups (9 heads / 3 KV groups)."""
 import pytest
 import torch
 
-from conftest import hf_reference
+from conftest import cpu_summary, hf_reference
 from megatron_specdec import distributed
 import workers
 
@@ -31,6 +31,11 @@ def test_logits_and_greedy_tokens_match_hf(tp, pp, default_hf_dir, chat_prompt_i
     got = torch.load(out)
     ref_logits, ref_tokens = reference
     assert got["logits"].shape == ref_logits.shape
-    diff = (got["logits"] - ref_logits).abs().max().item()
-    assert diff <= 1e-3, f"TP={tp} PP={pp}: max |logit diff| {diff}"
+    diff = (got["logits"] - ref_logits).abs()
+    where = divmod(int(diff.argmax()), diff.shape[1])
+    forward = ("" if got["forward"] is None else
+               f"; GPTModel.forward's {(got['forward'] - ref_logits).abs().max().item():.3g}")
+    assert diff.max() <= 1e-3, (
+        f"TP={tp} PP={pp}: max |logit diff| {diff.max().item():.3g} at (position, id) {where}"
+        f"{forward}; {cpu_summary()}")
     assert got["tokens"] == ref_tokens

@@ -24,8 +24,20 @@ def parity(tp, pp, hf_dir, prompt_ids, new_tokens, out_file):
     runner = StageRunner(model, 1, len(prompt_ids), config.vocab_size)
     logits = runner.step(torch.tensor([prompt_ids]))
     tokens = plain_generate(model, [prompt_ids], new_tokens, config.vocab_size)[0]
+    forward = forward_logits(model, prompt_ids, config.vocab_size) if pp == 1 else None
     if is_writer():
-        torch.save({"logits": logits[0], "tokens": tokens}, out_file)
+        torch.save({"logits": logits[0], "tokens": tokens, "forward": forward}, out_file)
+
+
+def forward_logits(model, prompt_ids, vocab_size):
+    """The prompt's logits through GPTModel.forward (no cache, none of the decoding ops), so
+    that a parity failure says whether the weights or the decoding path moved."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model(ids, torch.arange(len(prompt_ids))[None], None)
+    return gather_from_tensor_model_parallel_region(out)[0, :, :vocab_size].float()
 
 
 def lm_loss(model, tokens, loss_mask):
