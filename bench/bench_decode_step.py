@@ -110,7 +110,7 @@ def main():
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.models.default_model import default_model_dir
-        from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
+    from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
     from megatron_specdec.models.weight_memory import streamed
 
     setup_logging()
@@ -150,8 +150,9 @@ def main():
                     runner.rewind(q)
         products = [product(w, 1) for w in weights]
         # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
-        read = [streamed(w) if skinny_block(fn) is not None and i < len(weights) - 1 else w
-                for i, (fn, w) in enumerate(zip(products, weights))]
+        *layer_weights, output = weights
+        read = [streamed(w) if skinny_block(fn) is not None else w
+                for fn, w in zip(products, layer_weights)] + [output]
         inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in weights}
         gemm = []
         for _ in range(args.repeats):

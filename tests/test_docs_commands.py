@@ -139,6 +139,15 @@ def test_bench_flags_exist():
         assert flags <= declared, f"{script} declares no {sorted(flags - declared)}"
 
 
+def test_scripts_compile():
+    """The bench and checkpoint scripts the documents run are not imported by any other test:
+    each one at least compiles (a mis-indented import once left one unable to start)."""
+    scripts = sorted([*(REPO / "bench").rglob("*.py"), *(REPO / "checkpoint_tools").glob("*.py")])
+    assert scripts
+    for script in scripts:
+        compile(script.read_text(), str(script), "exec")
+
+
 @pytest.mark.parametrize("doc,args", [(d, a) for d, a in COMMANDS
                                       if a[:2] == ["-m", "megatron_specdec.cli.train"]])
 def test_train_commands_load_their_recipe(doc, args):
