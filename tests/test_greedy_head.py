@@ -146,6 +146,30 @@ def test_bad_input_named_in_one_line():
         assert "greedy_head" in str(info.value).splitlines()[0]
 
 
+def test_ids_and_confidences_over_tensor_parallel_ranks(tmp_path):
+    """At TP=2 (one all_gather of ids, logits and log-sum-exps) the ids are the argmax of the
+    whole vocabulary's float32 logits, padding rows never win, and the probabilities are the
+    one-rank head's (the same screened logits, their log-sum-exps combined over ranks)."""
+    from megatron_specdec.models.layers.greedy_head import GreedyHead
+    import workers
+
+    vocab = 2990  # 3000 rows: rank 1 holds 1490 of the vocabulary and 10 padding rows
+    w = close_rows(3, n=3000)
+    w[vocab:] = w[:10] * 50  # padding that would win if it were read
+    g = torch.Generator().manual_seed(4)
+    # Rows along weight rows on both sides of the split (near-ties inside a cluster), random.
+    x = torch.cat([w[[5, 1495, 1505, 2900]] * 40, torch.randn(3, w.shape[1], generator=g)])
+    out = tmp_path / "out.pt"
+    distributed.spawn(workers.greedy_head_tp, 2, vocab, w, x, str(out))
+    got = torch.load(out)
+    full = logits(x, w[:vocab])
+    assert torch.equal(got["ids"], full.argmax(-1))
+    assert torch.equal(got["confident_ids"], full.argmax(-1))
+    ids, values, screened = GreedyHead(w, vocab)(x, screened=True)
+    one_rank = (values.double() - screened.logsumexp(-1).double()).exp()
+    torch.testing.assert_close(got["p"], one_rank, rtol=1e-5, atol=0)
+
+
 @pytest.fixture(scope="module")
 def model():
     from test_speculative_generation import build

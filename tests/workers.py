@@ -108,3 +108,24 @@ def moe_checkpoint_logits(tp, pp, ep, sources, prompt_ids, out_file):
         results[source] = logits[0] if logits is not None else None
     if _moe_writer():
         torch.save(results, out_file)
+
+
+def greedy_head_tp(vocab, weight, x, out_file):
+    """output_argmax and output_argmax_confidence at TP=2, each rank holding half of the
+    padded output `weight` (rows past `vocab` are padding)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_specdec.models.layers.greedy_head import (
+        output_argmax,
+        output_argmax_confidence,
+    )
+
+    distributed.initialize(2, 1)
+    group = ps.get_tensor_model_parallel_group()
+    rows = weight.shape[0] // 2
+    mine = weight[group.rank() * rows:(group.rank() + 1) * rows].contiguous()
+    ids = output_argmax(x, mine, vocab, group)
+    confident = output_argmax_confidence(x, mine, vocab, group)
+    if group.rank() == 0:
+        torch.save({"ids": ids, "confident_ids": confident[0], "p": confident[1]}, out_file)
+

@@ -35,8 +35,9 @@ from torch import Tensor
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
-from megatron_specdec.models.layers.vocab_parallel import best_over_ranks
+from megatron_specdec.models.layers.vocab_parallel import best_of_gathered, gather_over_ranks
 from megatron_specdec.models.weight_memory import huge_page_empty
+
 
 class GreedyHead:
     """The int8 screening copy of rows [0, rows) of a float32 output weight [N, K] (this TP
@@ -159,11 +160,9 @@ def _screened(x, weight, vocab_size, group, confidence: bool):
         lse = screened.logsumexp(-1)
     if group.size() == 1:
         return ids, values, lse
-    best = best_over_ranks(values, ids + offset, group)
+    # One gather for the ids, their logits and the log-sum-exps: [TP, 2 or 3, n].
+    stacked = gather_over_ranks([values, ids + offset] + ([] if lse is None else [lse]), group)
+    best = best_of_gathered(stacked)
     if lse is None:
         return best, None, None
-    parts = torch.stack([values.double(), lse.double()])
-    gathered = [torch.empty_like(parts) for _ in range(group.size())]
-    torch.distributed.all_gather(gathered, parts, group=group)
-    stacked = torch.stack(gathered)  # [TP, 2, n]
-    return best, stacked[:, 0].amax(0), stacked[:, 1].logsumexp(0)
+    return best, stacked[:, 0].amax(0), stacked[:, 2].logsumexp(0)

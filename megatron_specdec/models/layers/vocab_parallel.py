@@ -20,16 +20,27 @@ def vocab_parallel_argmax(logits: Tensor, offset: int) -> Tensor:
 
 
 @torch.no_grad()
-def best_over_ranks(values: Tensor, ids: Tensor, group) -> Tensor:
-    """The global argmax ids [N] from each TP rank's largest logits `values` [N] at its
-    vocabulary ids `ids` [N]: the largest value, on ties the lowest rank's (the lowest id, as
-    an argmax over the gathered logits gives)."""
-    both = torch.stack([values.double(), ids.double()])
-    gathered = [torch.empty_like(both) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, both, group=group)
-    stacked = torch.stack(gathered)  # [TP, 2, N]
+def gather_over_ranks(rows, group) -> Tensor:
+    """Every TP rank's `rows` (tensors [N], carried as float64: exact for ids and float32
+    values) stacked [TP, len(rows), N], in one all_gather."""
+    mine = torch.stack([row.double() for row in rows])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered)
+
+
+def best_of_gathered(stacked: Tensor) -> Tensor:
+    """The global argmax ids [N] from gather_over_ranks([values, ids, ...]): the largest
+    value, on ties the lowest rank's (the lowest id, as an argmax over the gathered logits
+    gives)."""
     best = stacked[:, 0].argmax(0)  # first rank with the max = lowest id
     return stacked[:, 1].gather(0, best[None])[0].long()
+
+
+def best_over_ranks(values: Tensor, ids: Tensor, group) -> Tensor:
+    """The global argmax ids [N] from each TP rank's largest logits `values` [N] at its
+    vocabulary ids `ids` [N] (best_of_gathered)."""
+    return best_of_gathered(gather_over_ranks([values, ids], group))
 
 
 def vocab_parallel_gather(logits: Tensor, size: int) -> Tensor:
