@@ -128,4 +128,3 @@ def greedy_head_tp(vocab, weight, x, out_file):
     confident = output_argmax_confidence(x, mine, vocab, group)
     if group.rank() == 0:
         torch.save({"ids": ids, "confident_ids": confident[0], "p": confident[1]}, out_file)
-
