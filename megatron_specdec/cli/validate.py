@@ -13,15 +13,16 @@ user message of a training row's `conversations`) goes through the tokenizer's c
 one user message; later turns are not used (a multi-turn evaluation would need the model's own
 earlier answers in the context). `category` (else `source`) groups the report. A `.gz` file is
 read decompressed, so a data file kept out of training is a validation split as it stands
-(`--data data/smollm2_regen_steered11.jsonl.gz --num-prompts 40`). Speculative generation runs --batch-size prompts at a time (default 1; rows accept
-ragged counts); plain generation of the same base on the same batches gives the tokens/s
-baseline of the same runtime and checks that both produce the same tokens. Prints a short
-table (acceptance length, per-position acceptance, tokens/s, identity) and writes the full
-report to OUT/acceptance.json and its plot to OUT/acceptance.png (acceptance rate per draft
-position, overall and per category). With --tree-top-k the drafts form a
-tree of depth --num-draft-tokens (inference/tree.py); acceptance length is counted the same way
-(tokens per verify forward), and "draft position" is the depth along the accepted path. With
---tp/--pp > 1 and no torchrun environment, the ranks are spawned locally.
+(`--data data/smollm2_regen_steered11.jsonl.gz --num-prompts 40`). Speculative generation runs
+--batch-size prompts at a time (default 1; rows accept ragged counts); plain generation of
+the same base on the same batches gives the tokens/s baseline of the same runtime and checks
+that both produce the same tokens. Prints a short table (acceptance length, per-position
+acceptance, tokens/s, identity) and writes the full report to OUT/acceptance.json and its plot
+to OUT/acceptance.png (acceptance rate per draft position, overall and per category). With
+--tree-top-k the drafts form a tree of depth --num-draft-tokens (inference/tree.py); acceptance
+length is counted the same way (tokens per verify forward), and "draft position" is the depth
+along the accepted path. With --tp/--pp > 1 and no torchrun environment, the ranks are spawned
+locally.
 """
 
 import os
