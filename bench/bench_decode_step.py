@@ -4,6 +4,12 @@ through the decoding path as greedy decoding runs it (the decoding layer,
 models/layers/decode_layer.py, and the argmax ids of the greedy head,
 models/layers/greedy_head.py) and through megatron's TransformerLayer forward to logits,
 beside the weight products alone and the read-bandwidth bound (of the float32 weights).
+The products are timed at each q twice: from memory, in a step's order, and with each weight
+held in cache (a slice of at most RESIDENT_BYTES of its rows, called back to back, scaled to the
+whole weight), which is their arithmetic alone. With reading and multiplying overlapped
+perfectly the products at q rows would cost the longer of their arithmetic and the one-row
+read: `products_floor_x_one_row` = max(in cache at q, from memory at 1) / from memory at 1,
+against which the products from memory at q show how much of the two the kernel overlaps.
 With `--draft SPEC_CKPT` (an EAGLE3 checkpoint) the base is that checkpoint's, and a draft
 step (one chained token: the draft layers and its lm_head) is timed too, through the draft's
 decoding path (Eagle3Layer.decode) and through its layers' forward. With `--bf16-values`
@@ -33,6 +39,8 @@ from bench_linear import commit, read_bandwidth_gbs  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_step.json"
 QUERIES = (1, 2, 4, 8, 16)
 CONTEXT = 128
+# A weight slice this size stays in every x86 server CPU's last-level cache.
+RESIDENT_BYTES = 4 << 20
 
 
 def weights_of(base):
@@ -44,6 +52,33 @@ def weights_of(base):
                     mlp.linear_fc1.weight, mlp.linear_fc2.weight]
     return weights + [base.shared_embedding_or_output_weight()
                       if base.share_embeddings_and_output_weights else base.output_layer.weight]
+
+
+def time_products(products, read, q: int, repeats: int) -> dict:
+    """Median ms of a step's products at q rows of x: from memory (each weight once, in the
+    step's order) and with each weight in cache (the sum over weights of a slice's best time
+    of back-to-back calls, at least five, scaled by the weight's rows over the slice's)."""
+    inputs = {w.shape[1]: torch.randn(q, w.shape[1]) for w in read}
+    from_memory = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for fn, w in zip(products, read):
+            fn(inputs[w.shape[1]], w)
+        from_memory.append((time.perf_counter() - start) * 1e3)
+    in_cache, best = 0.0, {}
+    for fn, w in zip(products, read):
+        key = (fn, tuple(w.shape), w.dtype)
+        if key not in best:
+            rows = max(1, min(w.shape[0], RESIDENT_BYTES // (w.shape[1] * w.element_size())))
+            part, x = w[:rows], inputs[w.shape[1]]
+            calls = []
+            for _ in range(max(5, repeats)):
+                start = time.perf_counter()
+                fn(x, part)
+                calls.append(time.perf_counter() - start)
+            best[key] = min(calls) * 1e3 * w.shape[0] / rows
+        in_cache += best[key]
+    return {"from_memory": statistics.median(from_memory), "in_cache": in_cache}
 
 
 def set_lean(base, lean: bool):
@@ -148,18 +183,14 @@ def main():
                     runner.step(tokens, greedy=path == "decode")
                     times[path][q].append((time.perf_counter() - start) * 1e3)
                     runner.rewind(q)
-        products = [product(w, 1) for w in weights]
-        # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
-        *layer_weights, output = weights
-        read = [streamed(w) if skinny_block(fn) is not None else w
-                for fn, w in zip(products, layer_weights)] + [output]
-        inputs = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in weights}
-        gemm = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            for fn, w in zip(products, read):
-                fn(inputs[w.shape[1]], w)
-            gemm.append((time.perf_counter() - start) * 1e3)
+        gemm = {}
+        for q in QUERIES:
+            products = [product(w, q) for w in weights]
+            # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
+            *layer_weights, output = weights
+            read = [streamed(w) if skinny_block(fn) is not None else w
+                    for fn, w in zip(products, layer_weights)] + [output]
+            gemm[q] = time_products(products, read, q, args.repeats)
     set_lean(base, True)
     draft = None if model is None else time_draft_step(model, args.repeats)
     median = {path: {q: statistics.median(t[2:]) for q, t in by_q.items()}
@@ -170,7 +201,11 @@ def main():
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "read_bandwidth_gbs": round(bandwidth, 2), "weight_mb": round(weight_bytes / 1e6, 1),
         "bound_ms": round(bound_ms, 2), "context": CONTEXT, "repeats": args.repeats,
-        "weight_products_ms": round(statistics.median(gemm), 2),
+        "products_ms": {where: {str(q): round(t[where], 2) for q, t in gemm.items()}
+                        for where in ("from_memory", "in_cache")},
+        "products_floor_x_one_row": {
+            str(q): round(max(t["in_cache"], gemm[1]["from_memory"]) / gemm[1]["from_memory"], 2)
+            for q, t in gemm.items()},
         "forward_ms": {path: {str(q): round(ms, 2) for q, ms in by_q.items()}
                        for path, by_q in median.items()},
         **({} if draft is None else {"draft": {"checkpoint": args.draft, **draft}}),
@@ -181,12 +216,13 @@ def main():
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; read {bandwidth:.1f} GB/s, "
           f"{report['weight_mb']} MB of weights: bound {bound_ms:.1f} ms a step")
-    print(f"weight products alone (1 row): {report['weight_products_ms']:.1f} ms")
-    print("| tokens | decoding layer ms | megatron forward ms | x one-token (decoding layer) |")
-    print("|---|---|---|---|")
+    print("| tokens | decoding layer ms | megatron forward ms | x one-token (decoding layer) | "
+          "products from memory ms | products in cache ms | products' floor x one row |")
+    print("|---|---|---|---|---|---|---|")
     for q in QUERIES:
         print(f"| {q} | {median['decode'][q]:.1f} | {median['forward'][q]:.1f} | "
-              f"{median['decode'][q] / median['decode'][1]:.2f} |")
+              f"{median['decode'][q] / median['decode'][1]:.2f} | {gemm[q]['from_memory']:.1f} | "
+              f"{gemm[q]['in_cache']:.1f} | {report['products_floor_x_one_row'][str(q)]:.2f} |")
     if draft is not None:
         print(f"draft step ({draft['weight_mb']} MB of weights): decoding path "
               f"{draft['step_ms']['decode']:.2f} ms, layers' forward "
