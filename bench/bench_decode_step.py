@@ -184,10 +184,10 @@ def main():
                     times[path][q].append((time.perf_counter() - start) * 1e3)
                     runner.rewind(q)
         gemm = {}
+        *layer_weights, output = weights
         for q in QUERIES:
             products = [product(w, q) for w in weights]
             # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
-            *layer_weights, output = weights
             read = [streamed(w) if skinny_block(fn) is not None else w
                     for fn, w in zip(products, layer_weights)] + [output]
             gemm[q] = time_products(products, read, q, args.repeats)
