@@ -11,32 +11,15 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 
 from megatron_specdec.checkpointing.checkpoint import CheckpointError
 from megatron_specdec.models.families import UnsupportedModelError
 from megatron_specdec.checkpointing.hf_files import FileFormatError
 from megatron_specdec.checkpointing.hf_mapping import WeightMappingError
+from megatron_specdec.library_warnings import quiet_library_warnings
 
 USER_ERRORS = (CheckpointError, UnsupportedModelError, WeightMappingError, FileFormatError,
                FileNotFoundError, FileExistsError, ValueError)
-
-
-# Library warnings a user can do nothing about, each seen on every run of a tool: megatron-core
-# on every absent optional accelerator; its dist_checkpointing loader, which still calls the
-# torch APIs torch has deprecated (ShardedTensor, `load_state_dict`); and its config upgrade
-# of the legacy `cuda_graph_scope="full"` default.
-BENIGN_WARNINGS = (
-    ".*(Apex|apex|Transformer Engine|TE).*",
-    "Please use DTensor instead and we are deprecating ShardedTensor",
-    "`load_state_dict` is deprecated",
-    "full scope is deprecated",
-)
-
-
-def quiet_library_warnings():
-    for message in BENIGN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
 
 
 # As a tool imports this module, before it imports the layers that import megatron-core (the
