@@ -32,27 +32,41 @@ def test_python_limits_match_the_kernels():
     assert int(re.search(r"kMaxTreeNodes = (\d+);", limits).group(1)) == validation.MAX_TREE_NODES
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot compile-check the .cu files")
-@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
-def test_cu_file_compiles(source, tmp_path):
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # the flags a CUDA build of the extension uses
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None,
+                                reason="nvcc not on PATH: cannot compile-check the .cu files")
 
-    obj = tmp_path / (os.path.basename(source) + ".o")
-    cmd = ["nvcc", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xcompiler", "-Wall", "-I", CSRC, "-c", source, "-o", str(obj)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory):
+    """Each .cu file compiled once, with the flags a CUDA build of the extension uses (and
+    position-independent, for the link below): source -> (the finished process, object)."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    out = tmp_path_factory.mktemp("cu_objects")
+    done = {}
+    for source in CU_FILES:
+        obj = out / (os.path.basename(source) + ".o")
+        cmd = ["nvcc", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xcompiler", "-Wall,-fPIC", "-I", CSRC,
+               "-c", source, "-o", str(obj)]
+        done[source] = (subprocess.run(cmd, capture_output=True, text=True, timeout=600), obj)
+    return done
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)
+def test_cu_file_compiles(source, objects):
+    proc, obj = objects[source]
     assert proc.returncode == 0, proc.stderr
     assert obj.stat().st_size > 0
     assert "warning" not in proc.stderr.lower(), proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot link-check the .cu files")
-def test_cu_files_link_together(tmp_path):
+@needs_nvcc
+def test_cu_files_link_together(objects, tmp_path):
     """Header functions defined in several .cu files must not collide at link time."""
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-
+    assert all(proc.returncode == 0 for proc, _ in objects.values()), "a .cu file did not compile"
     lib = tmp_path / "kernels.so"
-    cmd = ["nvcc", "-std=c++17", *COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC", "-shared", "-I", CSRC, *CU_FILES,
-           "-o", str(lib)]
+    cmd = ["nvcc", "-shared", *(str(obj) for _, obj in objects.values()), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "multiple definition" not in proc.stderr, proc.stderr

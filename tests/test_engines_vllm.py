@@ -212,6 +212,7 @@ def test_vllm_serves_an_export_without_d2t_without_complaint(served, served_more
     assert r.outputs == served_more["results"]["greedy"].outputs
 
 
+@pytest.mark.slow  # a second vLLM serving run: verify_eagle3 serves in vLLM in the test below
 def test_export_draft_verify_with_vllm(served, capsys, caplog):
     """The flag on the TP=2 checkpoint: the base is written to a temporary HF directory."""
     from checkpoint_tools import export_draft

@@ -96,7 +96,7 @@ TRACK = 0.1
 
 
 @pytest.fixture(scope="module")
-def runs(module_tmp):
+def setup(module_tmp):
     root = module_tmp("precision_runs")
     model = ts.make_tiny_model(root / "model")
     data = ts.write_conversations(root / "conv.jsonl")
@@ -109,17 +109,21 @@ def runs(module_tmp):
             "draft.config.draft_vocab_size": 49152,
             "optimizer.decay": "constant", "checkpointing.interval": interval})
 
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        summary = ts.run(argv(dtype, dtype))
-        assert summary["steps"] == RUN_STEPS, summary
-        out[dtype] = ts.losses(root / dtype)
-    return out, argv, root
+    return argv, root
 
 
-def test_bf16_tracks_fp32_losses(runs):
-    losses, _, _ = runs
-    fp32, bf16 = losses["float32"], losses["bfloat16"]
+def _losses(setup, name, dtype, steps=RUN_STEPS):
+    argv, root = setup
+    summary = ts.run(argv(name, dtype, steps=steps))
+    assert summary["steps"] == steps, summary
+    return ts.losses(root / name)
+
+
+# Two 50-step runs (~150 s on 2 cores): test_bf16_small_updates_accumulate_in_fp32_masters checks
+# the fp32 masters that keep a bf16 run on the fp32 one's track in a second.
+@pytest.mark.slow
+def test_bf16_tracks_fp32_losses(setup):
+    fp32, bf16 = _losses(setup, "float32", "float32"), _losses(setup, "bfloat16", "bfloat16")
     drop = fp32[0] - fp32[-1]
     assert drop > 0.01, fp32  # the run does learn at this lr
     worst = max(abs(a - b) for a, b in zip(fp32, bf16))
@@ -127,18 +131,19 @@ def test_bf16_tracks_fp32_losses(runs):
     assert abs((bf16[0] - bf16[-1]) - drop) <= TRACK * drop, (bf16[0] - bf16[-1], drop)
 
 
-def test_bf16_stop_and_resume_is_exact(runs):
+def test_bf16_stop_and_resume_is_exact(setup):
     """Stopped after step 5 of 6 (checkpoint at 4: fp32 masters, AdamW state, RNG), resumed:
-    the same losses as the uninterrupted bf16 run's first 6 steps (constant lr)."""
-    losses, argv, root = runs
+    the same losses as an uninterrupted bf16 run of 6 steps (constant lr)."""
+    argv, root = setup
+    uninterrupted = _losses(setup, "bf16_6_steps", "bfloat16", steps=6)
     args = argv("bf16_resumed", "bfloat16", steps=6, interval=2)
     assert ts.run(args, kill_after=5) == "killed"
     summary = ts.run(args)
     assert summary["resumed_from"].endswith("step_0000004"), summary
     resumed = ts.losses(root / "bf16_resumed")
     assert len(resumed) == 6
-    for a, b in zip(resumed, losses["bfloat16"][:6]):
-        assert abs(a - b) <= 1e-6, (resumed, losses["bfloat16"][:6])
+    for a, b in zip(resumed, uninterrupted):
+        assert abs(a - b) <= 1e-6, (resumed, uninterrupted)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pins megatron's CPU limit; on a GPU "
