@@ -44,8 +44,8 @@ vllm-env: $(VLLM_VENV)/.installed
 # lint-imports first: a wrong-way import (.importlinter's layers) fails in seconds, named.
 # `test` (what CI runs) leaves out the tests marked slow, each of which repeats a guarantee a
 # default test already checks (another layout, a second fault of a kind), to keep it under 30
-# minutes on 2 cores (21 min on an idle Intel Xeon; the AMD EPYC Zen 3 runs the suite ~1.9x
-# slower). `test-all` runs every test. The selection is in the recipes, so a
+# minutes on 2 cores (24 min on an idle AMD EPYC Zen 3, the slower kind, 21 on an Intel
+# Xeon). `test-all` runs every test. The selection is in the recipes, so a
 # PYTEST_ARGS override keeps it.
 test: install vllm-env
 	$(VENV)/bin/lint-imports
