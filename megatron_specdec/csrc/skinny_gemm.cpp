@@ -52,16 +52,15 @@ struct Operands {
   int64_t k;
   float* y;
   int64_t ldy;
-  // The next block's kOut weight rows, prefetched while this one computes so that the memory
+  // The next block's weight rows, prefetched while this one computes so that the memory
   // stream keeps going while the block's rows of x are multiplied; nullptr: none. Each pass
-  // over x prefetches its share, columns [prefetch_begin, prefetch_end) (whole cache lines),
-  // so that a call of many rows keeps the stream busy through all its passes, not the first
-  // only.
+  // over x prefetches its share, so that a call of many rows keeps the stream busy through all
+  // its passes, not the first only: a block of one row, columns [prefetch_begin, prefetch_end)
+  // (whole cache lines); a block of kOut rows, lines [line_begin, line_end) of those rows,
+  // counted row after row (LineSpread).
   const W* next = nullptr;
   int64_t prefetch_begin = 0;
   int64_t prefetch_end = 0;
-  // The same pass's share counted in the next block's lines, row after row ([line_begin,
-  // line_end) of its kOut rows' lines): the AVX2 block spreads them evenly over the pass.
   int64_t line_begin = 0;
   int64_t line_end = 0;
 };
@@ -101,6 +100,42 @@ template <typename W>
 inline bool line_start(int64_t k) {
   return sizeof(W) == sizeof(float) || k % kLine<W> == 0;
 }
+
+// A pass's share of the next block's lines ([line_begin, line_end) of its kOut rows' lines, row
+// after row), issued in address order a few at a time evenly over the pass's `iters` iterations
+// (a counter carries the fraction): issued in a burst over part of the pass (one line per row
+// every 16 columns) the stream stalled the multiply-adds and then went idle, and the 8-row
+// products cost their read plus their arithmetic (a standalone copy of the AVX2 block's loop
+// over 540 MB, 2 threads, AMD EPYC Zen 3: 8 rows 37.7 -> 33.9 ms, 4 rows 31.2 -> 28.9 ms, 16
+// rows unchanged, the read alone 23.2 ms).
+template <typename W>
+class LineSpread {
+ public:
+  LineSpread(const Operands<W>& o, int64_t iters)
+      : iters_(iters),
+        lines_(o.next == nullptr || iters == 0 ? 0 : o.line_end - o.line_begin),
+        ldw_(o.ldw),
+        row_end_((o.k + kLine<W> - 1) / kLine<W> * kLine<W>),
+        row_(lines_ == 0 ? o.w : o.next + o.line_begin / (row_end_ / kLine<W>) * o.ldw),
+        col_(lines_ == 0 ? 0 : o.line_begin % (row_end_ / kLine<W>) * kLine<W>) {}
+
+  // One iteration's lines.
+  inline void tick() {
+    for (due_ += lines_; due_ >= iters_; due_ -= iters_) {
+      prefetch_l2(row_ + col_);
+      col_ += kLine<W>;
+      if (col_ >= row_end_) {
+        col_ = 0;
+        row_ += ldw_;
+      }
+    }
+  }
+
+ private:
+  const int64_t iters_, lines_, ldw_, row_end_;
+  const W* row_;
+  int64_t col_, due_ = 0;
+};
 
 inline float widen(float v) { return v; }
 inline float widen(Half h) { return c10::detail::fp16_ieee_to_fp32_value(h.bits); }
@@ -174,11 +209,12 @@ struct Avx512 {
     }
   }
 
-  // The columns before, inside and after the prefetch range run as three loops over row
-  // pointers held in registers: a single loop that tested the range and recomputed each row's
-  // address spent nearly as many instructions as its sixteen multiply-adds (all SmolLM2
-  // products of a step from memory, 2 cores: 8 rows 23.3 -> 22.6 ms, 2 rows 20.3 -> 19.4 ms,
-  // runs alternated three times on the Intel Xeon with AMX).
+  // Row pointers held in registers: a loop that recomputed each row's address spent nearly as
+  // many instructions as its sixteen multiply-adds (Intel Xeon with AMX). A block of kOut rows
+  // spreads the next block's lines over the pass (LineSpread): as a burst of four lines every
+  // 16 columns over part of the pass, all SmolLM2 products of a decoding step at 8 rows took
+  // 27.4-28.4 ms, spread 18.9-19.2 ms, and 1 row 22.1-23.4 -> 16.6-18.3 ms (the forward of
+  // bench_decode_step.py, builds alternated twice, AMD EPYC with AVX-512, 2 cores).
   template <typename W, int NB, int MB>
   __attribute__((target("avx512f"))) static void block(const Operands<W>& o) {
     __m512 acc[MB][NB];
@@ -192,10 +228,10 @@ struct Avx512 {
     for (int n = 0; n < NB; ++n) w[n] = o.w + n * o.ldw;
     for (int m = 0; m < MB; ++m) x[m] = o.x + m * o.ldx;
     const int64_t full = o.k / 16 * 16;
-    const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
-    const int64_t end = o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full));
     int64_t k = 0;
     if constexpr (NB == 1) {
+      const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
+      const int64_t end = o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full));
       for (; k < full; k += 16) {
         if (line_start<W>(k)) {
           if (k >= begin && k < end) prefetch_line(o.next + k);
@@ -204,15 +240,13 @@ struct Avx512 {
         step<W, NB, MB>(acc, w, x, k);
       }
     }
-    for (; k < begin; k += 16) step<W, NB, MB>(acc, w, x, k);
-    for (; k < end; k += 16) {
-      if (line_start<W>(k)) {
-#pragma GCC unroll 4
-        for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
+    if constexpr (NB > 1) {
+      LineSpread<W> spread(o, full / 16);
+      for (; k < full; k += 16) {
+        spread.tick();
+        step<W, NB, MB>(acc, w, x, k);
       }
-      step<W, NB, MB>(acc, w, x, k);
     }
-    for (; k < full; k += 16) step<W, NB, MB>(acc, w, x, k);
     if (k < o.k) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (o.k - k)) - 1u);
       __m512 wv[NB];
@@ -243,9 +277,9 @@ struct Avx512 {
 
 // 16 ymm registers: 3x4 accumulators, 3 weight vectors and one x vector (seven loads for
 // twelve multiply-adds: a verify's 8-16 rows stay near the FMA units' rate). A block of kOut
-// rows prefetches the next block's lines at a steady rate over the whole pass (a counter an
-// iteration beside 24 multiply-adds); each accumulator takes the columns in order. Every AVX2
-// CPU has F16C (half-precision weights).
+// rows prefetches the next block's lines at a steady rate over the whole pass (LineSpread, a
+// counter an iteration beside 24 multiply-adds); each accumulator takes the columns in order.
+// Every AVX2 CPU has F16C (half-precision weights).
 struct Avx2 {
   static constexpr int kOut = 3;
   static constexpr int kRows = 4;
@@ -318,25 +352,9 @@ struct Avx2 {
       }
     }
     if constexpr (NB > 1) {
-      // The pass's share of the next block's lines, in address order, a few every 16 columns
-      // evenly over the pass (a counter carries the fraction): issued in a burst over part of
-      // the pass (3 lines a 16 columns, one per row) the stream stalled the multiply-adds
-      // and then went idle, and the 8-row products cost their read plus their arithmetic
-      // (a standalone copy of this loop over 540 MB, 2 threads, AMD EPYC Zen 3: 8 rows
-      // 37.7 -> 33.9 ms, 4 rows 31.2 -> 28.9 ms, 16 rows unchanged, read alone 23.2 ms).
-      const int64_t iters = full / 16, lines = o.next == nullptr ? 0 : o.line_end - o.line_begin;
-      const int64_t row_lines = (o.k + kLine<W> - 1) / kLine<W>;
-      const W* row = lines == 0 ? o.w : o.next + o.line_begin / row_lines * o.ldw;
-      int64_t col = o.line_begin % row_lines * kLine<W>, due = 0;
+      LineSpread<W> spread(o, full / 16);
       for (; k + 16 <= full; k += 16) {
-        for (due += lines; due >= iters; due -= iters) {
-          prefetch_l2(row + col);
-          col += kLine<W>;
-          if (col >= row_lines * kLine<W>) {
-            col = 0;
-            row += o.ldw;
-          }
-        }
+        spread.tick();
         step<W, NB, MB>(acc, o, k);
         step<W, NB, MB>(acc, o, k + 8);
       }
