@@ -145,7 +145,7 @@ def main():
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.models.default_model import default_model_dir
-    from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_block
+    from megatron_specdec.models.layers.linear_kernels import machine, product, skinny_schedule
     from megatron_specdec.models.weight_memory import streamed
 
     setup_logging()
@@ -188,7 +188,7 @@ def main():
         for q in QUERIES:
             products = [product(w, q) for w in weights]
             # The skinny op reads a layer weight's 16-bit copy, as the decoding layer does.
-            read = [streamed(w) if skinny_block(fn) is not None else w
+            read = [streamed(w) if skinny_schedule(fn) is not None else w
                     for fn, w in zip(products, layer_weights)] + [output]
             gemm[q] = time_products(products, read, q, args.repeats)
     set_lean(base, True)

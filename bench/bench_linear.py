@@ -1,5 +1,5 @@
 """The few-row products of decoding against the machine's memory bandwidth: the skinny op
-(csrc/skinny_gemm.cpp) at its two block widths, `F.linear` (what stock transformers and
+(csrc/skinny_gemm.cpp) at each of its schedules, `F.linear` (what stock transformers and
 megatron run) and `W @ x.T`, for every weight shape of SmolLM2-135M and of an 8B Llama (Llama
 3.1 8B) at 1-16 rows.
 

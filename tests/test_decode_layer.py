@@ -139,10 +139,10 @@ def test_a_chain_through_the_cpp_ops_equals_one_token_steps_bitwise(family):
 
 
 @pytest.mark.parametrize("family,product", [("llama", "skinny"), ("qwen2", "skinny"),
-                                             ("llama", "skinny_row")])
+                                             ("llama", "skinny_row"), ("llama", "skinny_burst")])
 def test_the_whole_layer_op_equals_its_ops_one_by_one_bitwise(family, product, monkeypatch):
     """decode_layer runs the same kernels in the same order as the per-op path, at either of
-    the skinny op's block widths."""
+    the skinny op's schedules."""
     from megatron_specdec.models.layers import linear_kernels
 
     monkeypatch.setenv(linear_kernels.PIN_ENV, product)

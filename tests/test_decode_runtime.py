@@ -72,7 +72,7 @@ def test_kernel_choice_is_measured_once_then_read_from_the_cache(choice_cache):
     w = torch.randn(24, 16)
     small = [kernels.product(w, rows) for rows in range(1, kernels.INVARIANT_ROWS + 1)]
     if "skinny" in kernels.candidates(w.dtype):
-        # One row-invariant product, its faster block width at each count.
+        # One row-invariant product, its fastest schedule at each count.
         assert small == [kernels.skinny_row] + [kernels.skinny] * (len(small) - 1)
         assert kernels.product(w, 100) is kernels.skinny
     else:
@@ -93,12 +93,13 @@ def test_kernel_choice_takes_the_row_invariant_product_however_fast_blas_is():
     far = {"skinny": {b: 2.0 for b in buckets}, "f_linear": {b: 1.0 for b in buckets}}
     assert set(choose(far)["small"].values()) == {"skinny"}
     assert choose(far)["wide"][32] == "f_linear"
-    # The block widths compute the same bits: each count takes the faster.
-    widths = {"skinny": {b: 1.0 if b > 2 else 1.5 for b in buckets},
-              "skinny_row": {b: 1.0 if b <= 2 else 1.5 for b in buckets},
-              "f_linear": {b: 0.5 for b in buckets}}
-    assert choose(widths)["small"] == {1: "skinny_row", 2: "skinny_row", 4: "skinny",
-                                       8: "skinny", 16: "skinny"}
+    # The schedules compute the same bits: each count takes the fastest.
+    schedules = {"skinny": {b: 1.0 if b > 4 else 1.5 for b in buckets},
+                 "skinny_row": {b: 1.0 if b <= 2 else 1.5 for b in buckets},
+                 "skinny_burst": {b: 0.9 if b == 4 else 1.5 for b in buckets},
+                 "f_linear": {b: 0.5 for b in buckets}}
+    assert choose(schedules)["small"] == {1: "skinny_row", 2: "skinny_row", 4: "skinny_burst",
+                                          8: "skinny", 16: "skinny"}
     # Without the skinny op (another dtype): one product for every count, the best overall,
     # not the fastest at each.
     blas = {"f_linear": {b: 1.0 if b > 1 else 1.3 for b in buckets},

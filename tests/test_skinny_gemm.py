@@ -1,6 +1,6 @@
 """The skinny GEMM of decoding (csrc/skinny_gemm.cpp): equal to F.linear within fp32 tolerance
-for random shapes, 1-16 rows and strided inputs, at both block widths; bitwise row-invariant (a
-row alone equals the same row inside a call of 2, 5, 8, 16 or more rows, whichever block width
+for random shapes, 1-16 rows and strided inputs, at every schedule; bitwise row-invariant (a
+row alone equals the same row inside a call of 2, 5, 8, 16 or more rows, whichever schedule
 each call takes) on every ISA path this CPU runs; a float16 or bfloat16 weight computes bitwise
 what its float32 copy does; bad input named in one line."""
 
@@ -19,8 +19,13 @@ pytestmark = pytest.mark.skipif(not op_available("skinny_linear"),
                                 reason="megatron_specdec._C is not built with skinny_linear")
 
 
-def skinny(x, w, block_rows=0):
-    return torch.ops.megatron_specdec.skinny_linear(x, w, block_rows)
+# The op's schedules (skinny_gemm.h): the ISA's block with the next block's lines spread over
+# each pass, one weight row a block, the ISA's block with them in a burst.
+SCHEDULES = (0, 1, 2)
+
+
+def skinny(x, w, schedule=0):
+    return torch.ops.megatron_specdec.skinny_linear(x, w, schedule)
 
 
 # In-features off the vector width (tails of 1..15), out-features off the 4-row block.
@@ -33,8 +38,8 @@ def test_equals_f_linear(out_features, in_features):
     w = torch.randn(out_features, in_features, generator=g)
     for rows in range(1, 17):
         x = torch.randn(rows, in_features, generator=g)
-        for block_rows in (0, 1):
-            out = skinny(x, w, block_rows)
+        for schedule in SCHEDULES:
+            out = skinny(x, w, schedule)
             assert out.shape == (rows, out_features) and out.is_contiguous()
             torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5,
                                        atol=1e-5 * in_features ** 0.5)
@@ -55,8 +60,8 @@ def test_strided_and_batched_inputs():
     }
     for name, x in views.items():
         assert not x.is_contiguous() or name == "one row, 3-D"
-        for weight, block_rows in ((w, 0), (wt, 0), (w, 1)):
-            out = skinny(x, weight, block_rows)
+        for weight, schedule in ((w, 0), (wt, 0), (w, 1), (w, 2)):
+            out = skinny(x, weight, schedule)
             assert out.shape == x.shape[:-1] + (weight.shape[0],), name
             torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-4, msg=name)
 
@@ -69,8 +74,8 @@ def _invariance(in_features: int):
     assert torch.equal(torch.cat([skinny(x[i: i + 1], w) for i in range(x.shape[0])]), alone)
     for m in (2, 5, 8, 16, 33, 40):
         for start in (0, x.shape[0] - m):  # a row at every place of the call
-            for block_rows in (0, 1):
-                together = skinny(x[start: start + m], w, block_rows)
+            for schedule in SCHEDULES:
+                together = skinny(x[start: start + m], w, schedule)
                 assert torch.equal(together, alone[start: start + m]), (in_features, m, start)
 
 
@@ -81,16 +86,16 @@ def test_row_invariant_bitwise(in_features):
 
 def _narrow_weights():
     """A 16-bit weight computes bitwise what its float32 copy computes, at every row count,
-    block width and tail length."""
+    schedule and tail length."""
     g = torch.Generator().manual_seed(16)
     for dtype in (torch.float16, torch.bfloat16):
         for out_features, in_features in [(37, 64), (131, 576), (9, 1000), (5, 7), (3, 1)]:
             narrow = (torch.randn(out_features, in_features, generator=g) * 0.1).to(dtype)
             for rows in (1, 2, 5, 8, 16):
                 x = torch.randn(rows, in_features, generator=g)
-                for block_rows in (0, 1):
-                    assert torch.equal(skinny(x, narrow, block_rows), skinny(x, narrow.float())), \
-                        (dtype, out_features, in_features, rows, block_rows)
+                for schedule in SCHEDULES:
+                    assert torch.equal(skinny(x, narrow, schedule), skinny(x, narrow.float())), \
+                        (dtype, out_features, in_features, rows, schedule)
 
 
 def test_narrow_weights_bitwise_their_float32_copy():
@@ -138,7 +143,7 @@ def test_bad_input_named_in_one_line():
         with pytest.raises(RuntimeError, match=message) as info:
             skinny(x, weight)
         assert "skinny_linear" in str(info.value).splitlines()[0]
-    with pytest.raises(RuntimeError, match=r"block_rows must be 0 \(the ISA's block\) or 1"):
+    with pytest.raises(RuntimeError, match=r"schedule must be 0 \(the ISA's block, .*, got 3"):
         skinny(torch.randn(2, 16), w, 3)
 
 

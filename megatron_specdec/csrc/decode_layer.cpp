@@ -70,7 +70,7 @@ class LayerPlan {
  public:
   LayerPlan(const at::Tensor& hidden, const at::Tensor& embeds, const c10::List<c10::optional<at::Tensor>>& weights,
             int64_t offset, const double* eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-            const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* block_rows,
+            const at::Tensor& values, int64_t first, int64_t heads, double scale, const int64_t* schedules,
             int threads)
       : s_(hidden.size(0)),
         h_(hidden.size(2)),
@@ -120,10 +120,9 @@ class LayerPlan {
     fc1_op_ = product_of(normed2_, h_, s_, fc1_w_, up_);
     fc2_op_ = product_of(act_, f_, s_, fc2_w_, out_);
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(block_rows[i] == 0 || block_rows[i] == 1,
-                  "decode_layer: block_rows must be 0 (the ISA's block) or 1, got ", block_rows[i]);
-      blocks_[i] = block_rows[i];
-      width_[i] = skinny_block_width(block_rows[i]);
+      check_skinny_schedule(schedules[i], "decode_layer");
+      schedule_[i] = schedules[i];
+      width_[i] = skinny_block_width(schedules[i]);
     }
   }
 
@@ -147,7 +146,7 @@ class LayerPlan {
 #pragma omp barrier
     const int64_t qkv_out = qkv_op_.ldy;
     const auto q = share(qkv_out, width_[0], t, n_threads);
-    skinny_share(qkv_op_, q.first, q.second, blocks_[0]);
+    skinny_share(qkv_op_, q.first, q.second, schedule_[0]);
     if (bias_.defined()) add_rows(qkv_op_.y, qkv_out, bias_.data_ptr<float>(), 0, s_, q);
 #pragma omp barrier
     const auto slots = share(s_ * attention_.groups, 1, t, n_threads);
@@ -159,7 +158,7 @@ class LayerPlan {
     }
 #pragma omp barrier
     const auto o = share(h_, width_[1], t, n_threads);
-    skinny_share(proj_op_, o.first, o.second, blocks_[1]);
+    skinny_share(proj_op_, o.first, o.second, schedule_[1]);
     float* mid = mid_.data_ptr<float>();
     add_rows(mid, h_, x, h_, s_, o);
 #pragma omp barrier
@@ -167,8 +166,8 @@ class LayerPlan {
 #pragma omp barrier
     // A thread's gate rows and their up rows: the gated SiLU of its columns needs no barrier.
     const auto g = share(f_, width_[2], t, n_threads);
-    skinny_share(fc1_op_, g.first, g.second, blocks_[2]);
-    skinny_share(fc1_op_, f_ + g.first, f_ + g.second, blocks_[2]);
+    skinny_share(fc1_op_, g.first, g.second, schedule_[2]);
+    skinny_share(fc1_op_, f_ + g.first, f_ + g.second, schedule_[2]);
     const float* up = up_.data_ptr<float>();
     float* act = act_.data_ptr<float>();
     for (int64_t r = 0; r < s_; ++r) {
@@ -177,7 +176,7 @@ class LayerPlan {
     }
 #pragma omp barrier
     const auto d = share(h_, width_[3], t, n_threads);
-    skinny_share(fc2_op_, d.first, d.second, blocks_[3]);
+    skinny_share(fc2_op_, d.first, d.second, schedule_[3]);
     add_rows(out_.data_ptr<float>(), h_, mid, h_, s_, d);
   }
 
@@ -195,7 +194,7 @@ class LayerPlan {
   at::Tensor embeds_, norm3_, bias_, proj_w_, norm2_, fc1_w_, fc2_w_;
   at::Tensor normed_, att_, mid_, normed2_, up_, act_, out_;
   SkinnyOperands qkv_op_{}, proj_op_{}, fc1_op_{}, fc2_op_{};
-  int64_t blocks_[4] = {}, width_[4] = {};
+  int64_t schedule_[4] = {}, width_[4] = {};
 };
 
 }  // namespace
@@ -203,7 +202,7 @@ class LayerPlan {
 std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
                                           at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                                           at::TensorList keys, at::TensorList values, int64_t first,
-                                          at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef block_rows,
+                                          at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef schedules,
                                           at::IntArrayRef capture, const c10::optional<at::Tensor>& embeds) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(values.size()) == layers,
@@ -220,8 +219,8 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
   TORCH_CHECK(static_cast<int64_t>(eps.size()) == 3 * layers,
               "decode_layers: eps must hold 3 per layer (input, MLP and hidden norms), got ", eps.size(), " for ",
               layers, " layers");
-  TORCH_CHECK(static_cast<int64_t>(block_rows.size()) == 4 * layers,
-              "decode_layers: block_rows must hold 4 widths per layer (QKV, output, fc1, fc2), got ", block_rows.size(),
+  TORCH_CHECK(static_cast<int64_t>(schedules.size()) == 4 * layers,
+              "decode_layers: schedules must hold 4 per layer (QKV, output, fc1, fc2), got ", schedules.size(),
               " for ", layers, " layers");
   for (int64_t c : capture) {
     TORCH_CHECK(c >= 0 && c < layers, "decode_layers: capture holds layer ", c, ", expected 0 .. ", layers - 1);
@@ -236,7 +235,7 @@ std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::L
     plans.emplace_back(i == 0 ? hidden : plans.back().output(),
                        i == 0 && embeds.has_value() ? *embeds : at::Tensor(), weights, kWeightsPerLayer * i,
                        eps.data() + 3 * i, cos, sin, keys[i], values[i], first, heads[i], scale[i],
-                       block_rows.data() + 4 * i, threads);
+                       schedules.data() + 4 * i, threads);
   }
   int64_t scratch_size = 0;
   for (const LayerPlan& plan : plans) scratch_size = std::max(scratch_size, plan.scratch_size());

@@ -65,14 +65,14 @@ struct ChainAttention {
 // layer (input_norm, qkv_weight, qkv_bias or None, proj_weight, mlp_norm, fc1_weight,
 // fc2_weight, hidden_norm or None; a product's weight float32 or a 16-bit copy of float32
 // values); eps: 3 a layer (input, MLP, hidden norm); keys/values, heads, scale: each layer's
-// cache, attention heads and softmax scale; block_rows: the skinny product's width for each of
-// a layer's 4 products; embeds [s, 1, H]: the first layer is an EAGLE3 first layer (with a
+// cache, attention heads and softmax scale; schedules: the skinny product's schedule
+// (skinny_gemm.h) for each of a layer's 4 products; embeds [s, 1, H]: the first layer is an EAGLE3 first layer (with a
 // hidden_norm), whose attention reads [input_norm(embeds), hidden_norm(hidden)]. Returns the
 // outputs of the layers in `capture`, then the last layer's.
 std::vector<at::Tensor> decode_layers_cpu(const at::Tensor& hidden, const c10::List<c10::optional<at::Tensor>>& weights,
                                           at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                                           at::TensorList keys, at::TensorList values, int64_t first,
-                                          at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef block_rows,
+                                          at::IntArrayRef heads, at::ArrayRef<double> scale, at::IntArrayRef schedules,
                                           at::IntArrayRef capture, const c10::optional<at::Tensor>& embeds);
 
 }  // namespace specdec

@@ -32,7 +32,7 @@ TORCH_LIBRARY(megatron_specdec, m) {
   m.def(
       "typical_verify(Tensor draft_ids, Tensor target_logits, Tensor draft_lens, float temperature, float eps, "
       "float alpha) -> (Tensor, Tensor)");
-  m.def("skinny_linear(Tensor x, Tensor weight, int block_rows=0) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, int schedule=0) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
   m.def(
       "greedy_head(Tensor x, Tensor screen, Tensor scale, Tensor weight, Tensor bound, bool screened=False) -> "
@@ -44,7 +44,7 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "int heads, float scale) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor?[] weights, float[] eps, Tensor cos, Tensor sin, Tensor(a!)[] keys, "
-      "Tensor(b!)[] values, int first, int[] heads, float[] scale, int[] block_rows, int[] capture, Tensor? embeds=None) "
+      "Tensor(b!)[] values, int first, int[] heads, float[] scale, int[] schedules, int[] capture, Tensor? embeds=None) "
       "-> Tensor[]");
 }
 

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -55,15 +56,25 @@ struct Operands {
   // The next block's weight rows, prefetched while this one computes so that the memory
   // stream keeps going while the block's rows of x are multiplied; nullptr: none. Each pass
   // over x prefetches its share, so that a call of many rows keeps the stream busy through all
-  // its passes, not the first only: a block of one row, columns [prefetch_begin, prefetch_end)
-  // (whole cache lines); a block of kOut rows, lines [line_begin, line_end) of those rows,
-  // counted row after row (LineSpread).
+  // its passes, not the first only: columns [prefetch_begin, prefetch_end) (whole cache
+  // lines), one line a row at each line start (a block of one row; a block of kOut rows when
+  // `burst`), or lines [line_begin, line_end) of the kOut rows counted row after row, spread
+  // over the pass (LineSpread; a block of kOut rows otherwise).
   const W* next = nullptr;
   int64_t prefetch_begin = 0;
   int64_t prefetch_end = 0;
   int64_t line_begin = 0;
   int64_t line_end = 0;
+  bool burst = false;
 };
+
+// The columns of a pass, below `full`, at whose line starts the next block's lines are
+// prefetched: [first, second); empty without a next block.
+template <typename W>
+std::pair<int64_t, int64_t> burst_range(const Operands<W>& o, int64_t full) {
+  const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
+  return {begin, o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full))};
+}
 
 // Weights of element W in one 64-byte cache line.
 template <typename W>
@@ -210,11 +221,13 @@ struct Avx512 {
   }
 
   // Row pointers held in registers: a loop that recomputed each row's address spent nearly as
-  // many instructions as its sixteen multiply-adds (Intel Xeon with AMX). A block of kOut rows
-  // spreads the next block's lines over the pass (LineSpread): as a burst of four lines every
-  // 16 columns over part of the pass, all SmolLM2 products of a decoding step at 8 rows took
-  // 27.4-28.4 ms, spread 18.9-19.2 ms, and 1 row 22.1-23.4 -> 16.6-18.3 ms (the forward of
-  // bench_decode_step.py, builds alternated twice, AMD EPYC with AVX-512, 2 cores).
+  // many instructions as its sixteen multiply-adds (Intel Xeon with AMX); a burst runs the
+  // columns before, inside and after its range as three loops for the same reason. Which of
+  // the two prefetches wins depends on the CPU, so each machine measures (the schedules of
+  // skinny_gemm.h): on an AMD EPYC with AVX-512 the spread took a decoding step's products at 8
+  // rows from 27.4-28.4 to 18.9-19.2 ms and at 1 row from 22.1-23.4 to 16.6-18.3 ms; on an
+  // Intel Xeon with AMX it left 8 rows unchanged and cost 1 row 5% (bench_decode_step.py's
+  // forward, builds alternated, 2 cores).
   template <typename W, int NB, int MB>
   __attribute__((target("avx512f"))) static void block(const Operands<W>& o) {
     __m512 acc[MB][NB];
@@ -230,8 +243,7 @@ struct Avx512 {
     const int64_t full = o.k / 16 * 16;
     int64_t k = 0;
     if constexpr (NB == 1) {
-      const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
-      const int64_t end = o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full));
+      const auto [begin, end] = burst_range(o, full);
       for (; k < full; k += 16) {
         if (line_start<W>(k)) {
           if (k >= begin && k < end) prefetch_line(o.next + k);
@@ -239,8 +251,18 @@ struct Avx512 {
         }
         step<W, NB, MB>(acc, w, x, k);
       }
-    }
-    if constexpr (NB > 1) {
+    } else if (o.burst) {
+      const auto [begin, end] = burst_range(o, full);
+      for (; k < begin; k += 16) step<W, NB, MB>(acc, w, x, k);
+      for (; k < end; k += 16) {
+        if (line_start<W>(k)) {
+#pragma GCC unroll 4
+          for (int n = 0; n < NB; ++n) prefetch_line(o.next + n * o.ldw + k);
+        }
+        step<W, NB, MB>(acc, w, x, k);
+      }
+      for (; k < full; k += 16) step<W, NB, MB>(acc, w, x, k);
+    } else {
       LineSpread<W> spread(o, full / 16);
       for (; k < full; k += 16) {
         spread.tick();
@@ -278,8 +300,9 @@ struct Avx512 {
 // 16 ymm registers: 3x4 accumulators, 3 weight vectors and one x vector (seven loads for
 // twelve multiply-adds: a verify's 8-16 rows stay near the FMA units' rate). A block of kOut
 // rows prefetches the next block's lines at a steady rate over the whole pass (LineSpread, a
-// counter an iteration beside 24 multiply-adds); each accumulator takes the columns in order.
-// Every AVX2 CPU has F16C (half-precision weights).
+// counter an iteration beside 24 multiply-adds) or, when `burst`, one line a row at each line
+// start of its range; each accumulator takes the columns in order. Every AVX2 CPU has F16C
+// (half-precision weights).
 struct Avx2 {
   static constexpr int kOut = 3;
   static constexpr int kRows = 4;
@@ -340,8 +363,7 @@ struct Avx2 {
       // One weight row: the next block's lines at the line starts in [begin, end), and that
       // row's lines ahead into L1 as well (a test an iteration is nothing beside a single
       // stream's memory time); the loop below finishes the columns.
-      const int64_t begin = o.next == nullptr ? full : std::min(o.prefetch_begin, full);
-      const int64_t end = o.next == nullptr ? full : std::max(begin, std::min(o.prefetch_end, full));
+      const auto [begin, end] = burst_range(o, full);
       for (; k + 16 <= full; k += 16) {
         if (line_start<W>(k)) {
           if (k >= begin && k < end) prefetch_l2(o.next + k);
@@ -350,8 +372,18 @@ struct Avx2 {
         step<W, NB, MB>(acc, o, k);
         step<W, NB, MB>(acc, o, k + 8);
       }
-    }
-    if constexpr (NB > 1) {
+    } else if (o.burst) {
+      const auto [begin, end] = burst_range(o, full);
+      for (; k < begin; k += 8) step<W, NB, MB>(acc, o, k);
+      for (; k + 16 <= end; k += 16) {
+        if (line_start<W>(k)) {
+#pragma GCC unroll 4
+          for (int n = 0; n < NB; ++n) prefetch_l2(o.next + n * o.ldw + k);
+        }
+        step<W, NB, MB>(acc, o, k);
+        step<W, NB, MB>(acc, o, k + 8);
+      }
+    } else {
       LineSpread<W> spread(o, full / 16);
       for (; k + 16 <= full; k += 16) {
         spread.tick();
@@ -438,23 +470,25 @@ void run_range(const Operands<W>& all, int64_t rows, int64_t begin, int64_t end)
 }
 
 template <typename Isa, typename W>
-void run_range(const Operands<W>& all, int64_t rows, int64_t begin, int64_t end, int64_t block_rows) {
-  if (block_rows == 1) {
+void run_range(const Operands<W>& all, int64_t rows, int64_t begin, int64_t end, int64_t schedule) {
+  if (schedule == kSkinnyRow) {
     run_range<Isa, W, 1>(all, rows, begin, end);
   } else {
-    run_range<Isa, W, Isa::kOut>(all, rows, begin, end);
+    Operands<W> o = all;
+    o.burst = schedule == kSkinnyBlockBurst;
+    run_range<Isa, W, Isa::kOut>(o, rows, begin, end);
   }
 }
 
 template <typename Isa, typename W>
-void run(const Operands<W>& all, int64_t rows, int64_t out_features, int64_t block_rows) {
-  const int64_t width = block_rows == 1 ? 1 : Isa::kOut;
+void run(const Operands<W>& all, int64_t rows, int64_t out_features, int64_t schedule) {
+  const int64_t width = skinny_block_width(schedule);
   const int64_t blocks = (out_features + width - 1) / width;
   // At least ~64 KiB of weight per task: a small matrix is not worth waking a thread for.
   const int64_t row_bytes = all.k * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, width * row_bytes));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    run_range<Isa, W>(all, rows, begin * width, std::min(end * width, out_features), block_rows);
+    run_range<Isa, W>(all, rows, begin * width, std::min(end * width, out_features), schedule);
   });
 }
 
@@ -504,8 +538,14 @@ Path path() {
 
 std::string skinny_linear_isa() { return name(path()); }
 
-int64_t skinny_block_width(int64_t block_rows) {
-  if (block_rows == 1) return 1;
+void check_skinny_schedule(int64_t schedule, const char* what) {
+  TORCH_CHECK(schedule == kSkinnyBlockSpread || schedule == kSkinnyRow || schedule == kSkinnyBlockBurst, what,
+              ": schedule must be 0 (the ISA's block, the next block spread over each pass), 1 (one ",
+              "weight row a block) or 2 (the ISA's block, the next block in a burst), got ", schedule);
+}
+
+int64_t skinny_block_width(int64_t schedule) {
+  if (schedule == kSkinnyRow) return 1;
   switch (path()) {
 #ifdef SPECDEC_X86
     case Path::kAvx512:
@@ -569,16 +609,15 @@ Operands<W> operands_of(const SkinnyOperands& a) {
 
 }  // namespace
 
-void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t block_rows) {
+void skinny_share(const SkinnyOperands& a, int64_t begin, int64_t end, int64_t schedule) {
   with_weight_type(a.kind, [&](auto element) {
     const auto o = operands_of<decltype(element)>(a);
-    with_isa([&](auto isa) { run_range<decltype(isa)>(o, a.rows, begin, end, block_rows); });
+    with_isa([&](auto isa) { run_range<decltype(isa)>(o, a.rows, begin, end, schedule); });
   });
 }
 
-at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows) {
-  TORCH_CHECK(block_rows == 0 || block_rows == 1, "skinny_linear: block_rows must be 0 (the ISA's block) or 1 ",
-              "(one weight row a block), got ", block_rows);
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t schedule) {
+  check_skinny_schedule(schedule, "skinny_linear");
   TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be 2-D [out, in], got shape ", weight.sizes());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "skinny_linear: x must be [..., ", weight.size(1),
               "] to match weight ", weight.sizes(), ", got shape ", x.sizes());
@@ -602,7 +641,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int6
                          y.data_ptr<float>(), out_features, weight_kind(w, "skinny_linear: weight")};
   with_weight_type(a.kind, [&](auto element) {
     const auto o = operands_of<decltype(element)>(a);
-    with_isa([&](auto isa) { run<decltype(isa)>(o, m, out_features, block_rows); });
+    with_isa([&](auto isa) { run<decltype(isa)>(o, m, out_features, schedule); });
   });
   return y.view(sizes);
 }

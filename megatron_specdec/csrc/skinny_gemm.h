@@ -15,9 +15,23 @@ namespace specdec {
 // x [..., K] float32 (any strides), weight [N, K] float32, float16 or bfloat16 -> [..., N]
 // float32 (contiguous). A 16-bit weight is widened exactly as it is read and multiplied in
 // float32: half the bytes streamed, the result bitwise that of its float32 copy.
-// block_rows: the weight rows streamed together, 0 for the ISA's block (3 or 4 rows) or 1; the
-// result is bitwise the same either way, only the speed differs.
-at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_rows = 0);
+// How a product streams its weights. Every schedule computes the same bits; which is fastest
+// depends on the CPU, so each machine measures (models/layers/linear_kernels.py).
+enum SkinnySchedule : int64_t {
+  // The ISA's block of weight rows (3 or 4); each pass over x prefetches its share of the next
+  // block's lines spread evenly over the pass.
+  kSkinnyBlockSpread = 0,
+  // One weight row a block, read ahead into L1: a single stream.
+  kSkinnyRow = 1,
+  // The ISA's block; each pass prefetches its share of the next block's columns, one line a
+  // row at each line start, over part of the pass.
+  kSkinnyBlockBurst = 2,
+};
+
+// Refuses a schedule that is none of the above, naming `what`.
+void check_skinny_schedule(int64_t schedule, const char* what);
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t schedule = kSkinnyBlockSpread);
 
 // The instruction-set path skinny_linear_cpu takes on this CPU: "avx512", "avx2" or "scalar".
 std::string skinny_linear_isa();
@@ -42,11 +56,11 @@ struct SkinnyOperands {
   WeightKind kind = WeightKind::kFloat32;
 };
 
-// The weight rows one block streams at `block_rows` (0 or 1, as skinny_linear_cpu takes it).
-int64_t skinny_block_width(int64_t block_rows);
+// The weight rows one block streams under `schedule`.
+int64_t skinny_block_width(int64_t schedule);
 
 // Output features [begin, end) of the product on the calling thread: one thread's share of a
 // product that a caller splits over its own threads, each element bitwise skinny_linear_cpu's.
-void skinny_share(const SkinnyOperands& operands, int64_t begin, int64_t end, int64_t block_rows);
+void skinny_share(const SkinnyOperands& operands, int64_t begin, int64_t end, int64_t schedule);
 
 }  // namespace specdec

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
-from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
+from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_schedule
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 from megatron_specdec.models.weight_memory import streamed
 
@@ -102,7 +102,7 @@ def residual_add(out, bias, residual):
 class LayerOp:
     """What a decoding layer (a base layer, an EAGLE3 draft layer) needs to run as the
     decode_layers op: its four products, the conditions every such layer shares, the skinny
-    op's block widths and whether a call takes the op. The layer adds its own conditions
+    op's schedules and whether a call takes the op. The layer adds its own conditions
     (`layer_op`) and operands (`op_weights`)."""
 
     @property
@@ -118,23 +118,22 @@ class LayerOp:
         return (self.self_attention.chain_op and op_available("decode_layers")
                 and all(linear.tp_group.size() == 1 for linear in linears)
                 and not self.config.fp32_residual_connection
-                and all(skinny_block(product(linear.weight, 1)) is not None for linear in linears))
+                and all(skinny_schedule(product(linear.weight, 1)) is not None for linear in linears))
 
     @cached_property
-    def block_rows(self) -> dict:
-        """{rows (at most INVARIANT_ROWS): the skinny op's block width for each of the layer's
-        four products}, filled as row counts come; a chain longer than INVARIANT_ROWS (a
-        prefill) takes the widest bucket's, as the op computes every row with the skinny
-        product."""
+    def schedule_memo(self) -> dict:
+        """{rows (at most INVARIANT_ROWS): the skinny op's schedule for each of the layer's four
+        products}, filled as row counts come; a chain longer than INVARIANT_ROWS (a prefill)
+        takes the widest bucket's, as the op computes every row with the skinny product."""
         return {}
 
-    def blocks(self, rows: int) -> list:
-        """The skinny op's block width for each of the four products at `rows` rows."""
+    def schedules(self, rows: int) -> list:
+        """The skinny op's schedule for each of the four products at `rows` rows."""
         rows = min(rows, INVARIANT_ROWS)
-        found = self.block_rows.get(rows)
+        found = self.schedule_memo.get(rows)
         if found is None:
-            found = self.block_rows[rows] = [skinny_block(product(linear.weight, rows))
-                                             for linear in self.linears]
+            found = self.schedule_memo[rows] = [skinny_schedule(product(linear.weight, rows))
+                                                for linear in self.linears]
         return found
 
     def whole(self, hidden_states, cache: DecodeCache) -> bool:
@@ -234,14 +233,14 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
     `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
     one decode_layers op, so the threads stay in one parallel region for the whole run.
     `embeds`: the first layer is an EAGLE3 first layer reading them beside the hidden states.
-    The layers' cache buffers, heads and block widths are gathered once per cache and chain
+    The layers' cache buffers, heads and schedules are gathered once per cache and chain
     length (~0.3 ms a SmolLM2 step in Python); the weights every call (a draft's 16-bit copies
     follow its values)."""
     s = hidden_states.shape[0]
     key = (id(layers[0]), len(layers), s)
     operands = cache.memo.get(key)
     if operands is None:
-        keys, values, heads, scales, blocks = [], [], [], [], []
+        keys, values, heads, scales, schedules = [], [], [], [], []
         for layer in layers:
             key_buffer, value_buffer, layer_heads, scale = layer.self_attention.chain_cache(
                 cache, hidden_states)
@@ -249,9 +248,9 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
             values.append(value_buffer)
             heads.append(layer_heads)
             scales.append(scale)
-            blocks += layer.blocks(s)
-        operands = cache.memo[key] = (keys, values, heads, scales, blocks)
-    keys, values, heads, scales, blocks = operands
+            schedules += layer.schedules(s)
+        operands = cache.memo[key] = (keys, values, heads, scales, schedules)
+    keys, values, heads, scales, schedules = operands
     weights, eps = [], []
     for layer in layers:
         layer_weights, layer_eps = layer.op_weights
@@ -260,4 +259,4 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
     cos, sin = cache.chain_cos_sin(hidden_states)
     return torch.ops.megatron_specdec.decode_layers(
         hidden_states, weights, eps, cos, sin, keys, values, cache.chain_start(), heads, scales,
-        blocks, list(capture), embeds)
+        schedules, list(capture), embeds)

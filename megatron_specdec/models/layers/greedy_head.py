@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from megatron_specdec.acceptance.ops import op_available
-from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_block
+from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_schedule
 from megatron_specdec.models.layers.vocab_parallel import best_of_gathered, gather_over_ranks
 from megatron_specdec.models.weight_memory import huge_page_empty
 
@@ -111,7 +111,7 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
     if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.stride(1) != 1
             or not 1 <= tokens <= INVARIANT_ROWS or weight.shape[1] > MAX_IN_FEATURES
             or not _vector_op()
-            or skinny_block(product(weight, tokens)) is None):
+            or skinny_schedule(product(weight, tokens)) is None):
         return None
     key = (weight.data_ptr(), weight._version, rows)
     found = _heads.get(id(weight))

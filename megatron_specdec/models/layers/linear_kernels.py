@@ -15,9 +15,11 @@ op (csrc/skinny_gemm.cpp) wherever it takes the dtype, however fast the others a
 row-invariant bitwise, so a verify forward computes each row as a plain step does and
 speculative output equals greedy by construction. BLAS products are not (MKL's one-row and
 eight-row SGEMMs sum in different orders), so letting one win a few buckets, or a small matrix
-whose time is call overhead, breaks that on the machines where it wins. The op's two block
-widths (the ISA's block of weight rows, "skinny", and one row a block, "skinny_row") compute the
-same bits, so each row bucket takes the faster of the two. Other dtypes take one product for
+whose time is call overhead, breaks that on the machines where it wins. The op's schedules (the
+ISA's block of weight rows prefetching the next block spread over each pass, "skinny", or in a
+burst, "skinny_burst", and one row a block, "skinny_row") compute the same bits, so each row
+bucket takes the fastest of them: the spread won 1 and 8 rows by 23% and 32% on an AMD EPYC
+with AVX-512 and lost 1 row by 5% on an Intel Xeon with AMX. Other dtypes take one product for
 all of those rows, the best over the buckets. Wider calls (batches, trees) choose per bucket.
 """
 
@@ -57,6 +59,12 @@ def skinny_row(x, weight):
     return torch.ops.megatron_specdec.skinny_linear(x, weight, 1)
 
 
+def skinny_burst(x, weight):
+    """The skinny op's block prefetching the next block's lines in a burst at the start of
+    each pass over x, not spread over it."""
+    return torch.ops.megatron_specdec.skinny_linear(x, weight, 2)
+
+
 def f_linear(x, weight):
     return F.linear(x, weight).contiguous()
 
@@ -73,23 +81,24 @@ def weight_left(x, weight):
     return (out[:1] if single else out).contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-CANDIDATES = {"skinny": skinny, "skinny_row": skinny_row, "f_linear": f_linear,
-              "weight_left": weight_left}
-# The skinny op's block widths, bitwise equal products ("block_rows" argument of the op).
-SKINNY_BLOCKS = {"skinny": 0, "skinny_row": 1}
+CANDIDATES = {"skinny": skinny, "skinny_row": skinny_row, "skinny_burst": skinny_burst,
+              "f_linear": f_linear, "weight_left": weight_left}
+# The skinny op's schedules, bitwise equal products (its "schedule" argument, skinny_gemm.h).
+SKINNY_SCHEDULES = {"skinny": 0, "skinny_row": 1, "skinny_burst": 2}
 
 
 def candidates(dtype) -> tuple:
     """The products that take `dtype` here (the skinny op: float32, extension built)."""
     names = ("f_linear", "weight_left")
     if dtype == torch.float32 and op_available("skinny_linear"):
-        names = tuple(SKINNY_BLOCKS) + names
+        names = tuple(SKINNY_SCHEDULES) + names
     return names
 
 
-def skinny_block(fn) -> int | None:
-    """The skinny op's block_rows for product `fn`; None: not the skinny op."""
-    return next((SKINNY_BLOCKS[name] for name in SKINNY_BLOCKS if CANDIDATES[name] is fn), None)
+def skinny_schedule(fn) -> int | None:
+    """The skinny op's schedule for product `fn`; None: not the skinny op."""
+    return next((SKINNY_SCHEDULES[name] for name in SKINNY_SCHEDULES if CANDIDATES[name] is fn),
+                None)
 
 
 def _cpu_info() -> dict:
@@ -173,11 +182,11 @@ def time_candidates(out_features: int, in_features: int, dtype, plan: dict,
 
 def choose_small(times: dict) -> dict:
     """{bucket: product} for rows 1..INVARIANT_ROWS from time_candidates' result over (at
-    least) SMALL_BUCKETS: the skinny op at its faster block width per bucket where it was
-    timed, else the one product with the best mean of time / best time."""
-    blocks = [name for name in SKINNY_BLOCKS if name in times]
-    if blocks:
-        return {b: min(blocks, key=lambda name: times[name][b]) for b in SMALL_BUCKETS}
+    least) SMALL_BUCKETS: the skinny op at its fastest schedule per bucket where it was timed,
+    else the one product with the best mean of time / best time."""
+    schedules = [name for name in SKINNY_SCHEDULES if name in times]
+    if schedules:
+        return {b: min(schedules, key=lambda name: times[name][b]) for b in SMALL_BUCKETS}
 
     def relative(name):
         return sum(times[name][b] / min(t[b] for t in times.values())
@@ -188,7 +197,7 @@ def choose_small(times: dict) -> dict:
 
 
 def choose(times: dict) -> dict:
-    """{"small": {bucket: product} for rows 1..INVARIANT_ROWS (the skinny op's block widths, or
+    """{"small": {bucket: product} for rows 1..INVARIANT_ROWS (the skinny op's schedules, or
     one product), "wide": {bucket: product}} from time_candidates' result (rows as ints)."""
     wide = {b: min(times, key=lambda name: times[name][b]) for b in WIDE_BUCKETS}
     return {"small": choose_small(times), "wide": wide}
@@ -240,7 +249,7 @@ class KernelChoice:
         if (not isinstance(small, dict) or set(small) != {str(b) for b in SMALL_BUCKETS}
                 or not set(small.values()) <= set(names)):
             # Rows 1-16 take the skinny op whatever the others time: only its widths are timed.
-            small_names = tuple(name for name in names if name in SKINNY_BLOCKS) or names
+            small_names = tuple(name for name in names if name in SKINNY_SCHEDULES) or names
             plan = {**{b: small_names for b in SMALL_BUCKETS}, **{b: names for b in WIDE_BUCKETS}}
             times = time_candidates(out_features, in_features, dtype, plan)
             chosen = choose(times)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product, skinny_block
+from megatron_specdec.models.layers.linear_kernels import MAX_ROWS, product, skinny_schedule
 from megatron_specdec.models.weight_memory import streamed
 
 
@@ -30,10 +30,10 @@ def _small_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The measured product; where it is the skinny op, over the weight as
     weight_memory.streamed gives it (its 16-bit copy where it has one)."""
     fn = product(weight, x.numel() // max(1, x.shape[-1]))
-    block = skinny_block(fn)
-    if block is None:
+    schedule = skinny_schedule(fn)
+    if schedule is None:
         return fn(x, weight)
-    return torch.ops.megatron_specdec.skinny_linear(x, streamed(weight), block)
+    return torch.ops.megatron_specdec.skinny_linear(x, streamed(weight), schedule)
 
 
 class _SmallRowsMixin:
