@@ -6,6 +6,8 @@ rounding at batch 1 and 2, and a batch-1 chain's logits equal one-token steps' b
 layer keeps megatron's forward. The stage runner calls a layer a hook watches, and runs the
 others' decode directly."""
 
+import json
+
 import pytest
 import torch
 
@@ -279,3 +281,70 @@ def test_one_row_placement_equals_the_general_placement():
     fast.memo["operands"] = "derived from the buffers"
     fast.swap_key_value_dict([0])
     assert fast.memo == {}
+
+
+def test_a_run_of_layers_times_its_schedules_on_real_calls_once_per_bucket(monkeypatch, tmp_path):
+    """A batch-1 chain's run of layers times its schedule options (the shapes' own, one for
+    every product) on its real calls, once per row bucket on a machine: the logits are the
+    pinned schedule's bitwise, the choice is stored, and a new process reads it untimed."""
+    from megatron_specdec.models.layers import decode_layer, linear_kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny")
+    linear_kernels.reset()
+    distributed.initialize(1, 1)
+    base = base_model(hf_config("llama"))
+    pinned = logits(base, True, True, batch=1)
+    monkeypatch.delenv(linear_kernels.PIN_ENV)
+    timed = []
+    real_choice = decode_layer.run_choice
+
+    def counted(key, rows, options, measure):
+        def measured():
+            times = measure()
+            timed.append((key, rows, set(times)))
+            return times
+        return real_choice(key, rows, options, measured)
+
+    monkeypatch.setattr(decode_layer, "run_choice", counted)
+    try:
+        linear_kernels.reset()
+        assert torch.equal(logits(base, True, True, batch=1), pinned)
+        run = decode_layer.run_key([w for layer in base.decoder.layers
+                                    for w in layer.op_weights[0]])
+        assert run.startswith("2 x ") and run.endswith(" float32")
+        assert timed and all(key == run and names == {"per_shape", "skinny", "skinny_row", "skinny_burst"}
+                             for key, _, names in timed)
+        buckets = sorted(next(b for b in linear_kernels.SMALL_BUCKETS if rows <= b)
+                         for _, rows, _ in timed)
+        assert len(set(buckets)) == len(buckets)  # once per bucket
+        stored = json.loads(linear_kernels.cache_path(linear_kernels.machine()).read_text())
+        runs = stored["entries"][f"run {run}"]
+        assert sorted(map(int, runs)) == buckets
+        assert all(run["choice"] == min(run["ms"], key=run["ms"].get) for run in runs.values())
+        linear_kernels.reset()  # a new process
+        count = len(timed)
+        assert torch.equal(logits(base, True, True, batch=1), pinned) and len(timed) == count
+    finally:
+        linear_kernels.reset()
+
+
+def test_a_stored_run_choice_outside_the_options_is_timed_again(monkeypatch, tmp_path):
+    from megatron_specdec.models.layers import linear_kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(linear_kernels.PIN_ENV, raising=False)
+    linear_kernels.reset()
+    options = ("per_shape", "skinny")
+    try:
+        assert linear_kernels.run_choice("k", 3, options, lambda: {"per_shape": 2.0, "skinny": 1.0}) == "skinny"
+        linear_kernels.reset()
+        path = linear_kernels.cache_path(linear_kernels.machine())
+        stored = json.loads(path.read_text())
+        stored["entries"]["run k"]["4"]["choice"] = "gone"
+        path.write_text(json.dumps(stored))
+        assert linear_kernels.run_choice("k", 4, options, lambda: {"per_shape": 1.0, "skinny": 3.0}) == "per_shape"
+        monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny_row")
+        assert linear_kernels.run_choice("k", 1, options, lambda: pytest.fail("timed while pinned")) is None
+    finally:
+        linear_kernels.reset()

@@ -20,6 +20,8 @@ layer of the stage does, all of them (inference/generation.py), as the one decod
 dispatch and a Python call between them.
 """
 
+import math
+import time
 from functools import cached_property
 
 import torch
@@ -29,7 +31,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
-from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_schedule
+from megatron_specdec.models.layers.linear_kernels import (
+    INVARIANT_ROWS,
+    SKINNY_SCHEDULES,
+    product,
+    run_choice,
+    skinny_schedule,
+)
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
 from megatron_specdec.models.weight_memory import streamed
 
@@ -228,35 +236,86 @@ class DecodeTransformerLayer(LayerOp, TransformerLayer):
                  None], eps)
 
 
+# A run's schedule options are timed in up to RUN_ROUNDS interleaved rounds, fewer once past two
+# the timing has taken RUN_BUDGET_S.
+RUN_ROUNDS = 5
+RUN_BUDGET_S = 1.0
+
+
+def run_key(weights) -> str:
+    """A run of decoding layers named by its products' shapes and weight dtypes, a layer's four
+    at a time, consecutive equal layers counted ("30 x 960x576 576x576 3072x576 576x1536 float32")."""
+    layers = []
+    for i in range(0, len(weights), 8):
+        products = [weights[i + j] for j in (1, 3, 5, 6)]
+        layer = " ".join(f"{w.shape[0]}x{w.shape[1]}" for w in products)
+        layer += " " + "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in products}))
+        if layers and layers[-1][1] == layer:
+            layers[-1][0] += 1
+        else:
+            layers.append([1, layer])
+    return ", ".join(f"{n} x {layer}" for n, layer in layers)
+
+
+def run_schedules(layers, rows: int, weights, call) -> list:
+    """The skinny op's schedules of a run of decoding layers at `rows` rows: each product's own
+    (linear_kernels' choice, timed one shape at a time) or one schedule for every product,
+    whichever ran the run fastest on this machine (`call(schedules)` runs it). Timed alone, a
+    shape's schedules can rank otherwise than inside a step, where the products of thirty
+    layers stream one after another in one parallel region (AMD EPYC Zen 5: the shapes' own
+    choice took a SmolLM2 step 15-18 ms at one row, the one-row block for every product
+    12.5-15.6 ms). A prefill (more rows than INVARIANT_ROWS) keeps the shapes' own."""
+    per_shape = [schedule for layer in layers for schedule in layer.schedules(rows)]
+    if rows > INVARIANT_ROWS:
+        return per_shape
+    options = {"per_shape": per_shape,
+               **{name: [schedule] * len(per_shape) for name, schedule in SKINNY_SCHEDULES.items()}}
+
+    def measure() -> dict:
+        best = dict.fromkeys(options, math.inf)
+        start = time.perf_counter()
+        for done in range(1, RUN_ROUNDS + 1):
+            for name, schedules in options.items():
+                begin = time.perf_counter()
+                call(schedules)
+                best[name] = min(best[name], (time.perf_counter() - begin) * 1e3)
+            if done >= 2 and time.perf_counter() - start > RUN_BUDGET_S:
+                break
+        return best
+
+    return options.get(run_choice(run_key(weights), rows, tuple(options), measure), per_shape)
+
+
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
     """The outputs of `layers` (consecutive decoding layers whose `whole` holds) named in
     `capture` (indices into `layers`), then the last one's, for a batch-1 chain over `cache`:
     one decode_layers op, so the threads stay in one parallel region for the whole run.
     `embeds`: the first layer is an EAGLE3 first layer reading them beside the hidden states.
-    The layers' cache buffers, heads and schedules are gathered once per cache and chain
-    length (~0.3 ms a SmolLM2 step in Python); the weights every call (a draft's 16-bit copies
-    follow its values)."""
+    The layers' cache buffers, heads and schedules (run_schedules) are gathered once per cache
+    and chain length (~0.3 ms a SmolLM2 step in Python); the weights every call (a draft's
+    16-bit copies follow its values). The op writes the chain's cache slots from its inputs
+    alone, so timing it on a real call leaves the cache and the result as one call does."""
     s = hidden_states.shape[0]
-    key = (id(layers[0]), len(layers), s)
-    operands = cache.memo.get(key)
-    if operands is None:
-        keys, values, heads, scales, schedules = [], [], [], [], []
-        for layer in layers:
-            key_buffer, value_buffer, layer_heads, scale = layer.self_attention.chain_cache(
-                cache, hidden_states)
-            keys.append(key_buffer)
-            values.append(value_buffer)
-            heads.append(layer_heads)
-            scales.append(scale)
-            schedules += layer.schedules(s)
-        operands = cache.memo[key] = (keys, values, heads, scales, schedules)
-    keys, values, heads, scales, schedules = operands
     weights, eps = [], []
     for layer in layers:
         layer_weights, layer_eps = layer.op_weights
         weights += layer_weights
         eps += layer_eps
     cos, sin = cache.chain_cos_sin(hidden_states)
-    return torch.ops.megatron_specdec.decode_layers(
-        hidden_states, weights, eps, cos, sin, keys, values, cache.chain_start(), heads, scales,
-        schedules, list(capture), embeds)
+
+    def call(operands, schedules):
+        keys, values, heads, scales = operands
+        return torch.ops.megatron_specdec.decode_layers(
+            hidden_states, weights, eps, cos, sin, keys, values, cache.chain_start(), heads,
+            scales, schedules, list(capture), embeds)
+
+    key = (id(layers[0]), len(layers), s)
+    memo = cache.memo.get(key)
+    if memo is None:
+        operands = [], [], [], []
+        for layer in layers:
+            for found, part in zip(operands, layer.self_attention.chain_cache(cache, hidden_states)):
+                found.append(part)
+        schedules = run_schedules(layers, s, weights, lambda schedules: call(operands, schedules))
+        memo = cache.memo[key] = (operands, schedules)
+    return call(*memo)

@@ -21,6 +21,9 @@ burst, "skinny_burst", and one row a block, "skinny_row") compute the same bits,
 bucket takes the fastest of them: the spread won 1 and 8 rows by 23% and 32% on an AMD EPYC
 with AVX-512 and lost 1 row by 5% on an Intel Xeon with AMX. Other dtypes take one product for
 all of those rows, the best over the buckets. Wider calls (batches, trees) choose per bucket.
+A run of decoding layers run as one op (decode_layer.run_schedules) is timed as a whole too:
+its products take their shapes' schedules or one schedule for all, whichever ran it fastest,
+stored beside the shapes' choices (`run_choice`).
 """
 
 import hashlib
@@ -241,6 +244,21 @@ class KernelChoice:
     def shape_key(out_features: int, in_features: int, dtype) -> str:
         return f"{out_features}x{in_features}/{str(dtype).removeprefix('torch.')}"
 
+    def run_entry(self, key: str, bucket: int, options: tuple, measure) -> str:
+        """The option (one of `options`) a run of decoding layers `key` takes at `bucket` rows:
+        stored, or the fastest of measure()'s {option: ms}, stored."""
+        runs = self.entries.get(f"run {key}")
+        runs = runs if isinstance(runs, dict) else {}
+        found = runs.get(str(bucket))
+        if not isinstance(found, dict) or found.get("choice") not in options:
+            times = measure()
+            found = runs[str(bucket)] = {"choice": min(times, key=times.get), "ms": times}
+            self.entries[f"run {key}"] = runs
+            self._save()
+            log.info("decoding run %s at %d rows: %s (measured: %s)", key, bucket,
+                     found["choice"], ", ".join(f"{n} {ms:.2f} ms" for n, ms in times.items()))
+        return found["choice"]
+
     def entry(self, out_features: int, in_features: int, dtype) -> dict:
         key = self.shape_key(out_features, in_features, dtype)
         found = self.entries.get(key)
@@ -266,6 +284,7 @@ class KernelChoice:
 
 _choice = None
 _products = {}
+_runs = {}
 
 
 def product(weight: torch.Tensor, rows: int):
@@ -289,8 +308,24 @@ def product(weight: torch.Tensor, rows: int):
     return fn
 
 
+def run_choice(key: str, rows: int, options: tuple, measure) -> str | None:
+    """The option a run of decoding layers `key` (its products' shapes) takes for `rows` (at
+    most INVARIANT_ROWS) rows on this machine: read from the cache, or the fastest of
+    `measure()`'s {option: ms}; None where SPECDEC_LINEAR pins the products."""
+    global _choice
+    if os.environ.get(PIN_ENV):
+        return None
+    bucket = next(b for b in SMALL_BUCKETS if rows <= b)
+    name = _runs.get((key, bucket))
+    if name is None:
+        _choice = _choice or KernelChoice()
+        name = _runs[key, bucket] = _choice.run_entry(key, bucket, options, measure)
+    return name
+
+
 def reset():
     """Forget the choices of this process (the next call reads the cache again)."""
     global _choice
     _choice = None
     _products.clear()
+    _runs.clear()
