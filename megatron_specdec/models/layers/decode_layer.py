@@ -240,14 +240,17 @@ class DecodeTransformerLayer(LayerOp, TransformerLayer):
 # the timing has taken RUN_BUDGET_S.
 RUN_ROUNDS = 5
 RUN_BUDGET_S = 1.0
+# A layer's operands in the decode_layers op (op_weights), and where its four products are.
+OP_WEIGHTS_PER_LAYER = 8
+OP_PRODUCTS = (1, 3, 5, 6)
 
 
 def run_key(weights) -> str:
     """A run of decoding layers named by its products' shapes and weight dtypes, a layer's four
     at a time, consecutive equal layers counted ("30 x 960x576 576x576 3072x576 576x1536 float32")."""
     layers = []
-    for i in range(0, len(weights), 8):
-        products = [weights[i + j] for j in (1, 3, 5, 6)]
+    for i in range(0, len(weights), OP_WEIGHTS_PER_LAYER):
+        products = [weights[i + j] for j in OP_PRODUCTS]
         layer = " ".join(f"{w.shape[0]}x{w.shape[1]}" for w in products)
         layer += " " + "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in products}))
         if layers and layers[-1][1] == layer:
@@ -262,9 +265,10 @@ def run_schedules(layers, rows: int, weights, call) -> list:
     (linear_kernels' choice, timed one shape at a time) or one schedule for every product,
     whichever ran the run fastest on this machine (`call(schedules)` runs it). Timed alone, a
     shape's schedules can rank otherwise than inside a step, where the products of thirty
-    layers stream one after another in one parallel region (AMD EPYC Zen 5: the shapes' own
-    choice took a SmolLM2 step 15-18 ms at one row, the one-row block for every product
-    12.5-15.6 ms). A prefill (more rows than INVARIANT_ROWS) keeps the shapes' own."""
+    layers stream one after another in one parallel region (AMD EPYC Zen 5, a SmolLM2 forward
+    at one row: 14.9 ms with the shapes' own, 12.8 ms with the one-row block for every product;
+    bench/results/decode_step_zen5_run_choice_26291ec.json). A prefill (more rows than
+    INVARIANT_ROWS) keeps the shapes' own."""
     per_shape = [schedule for layer in layers for schedule in layer.schedules(rows)]
     if rows > INVARIANT_ROWS:
         return per_shape
