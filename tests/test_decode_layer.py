@@ -313,15 +313,15 @@ def test_a_run_of_layers_times_its_schedules_on_real_calls_once_per_bucket(monke
         run = decode_layer.run_key([w for layer in base.decoder.layers
                                     for w in layer.op_weights[0]])
         assert run.startswith("2 x ") and run.endswith(" float32")
-        assert timed and all(key == run and names == {"per_shape", "skinny", "skinny_row", "skinny_burst"}
-                             for key, _, names in timed)
-        buckets = sorted(next(b for b in linear_kernels.SMALL_BUCKETS if rows <= b)
-                         for _, rows, _ in timed)
+        options = {"per_shape", "skinny", "skinny_row", "skinny_burst"}
+        assert timed and all(key == run and names == options for key, _, names in timed)
+        buckets = sorted(linear_kernels.bucket_of(rows) for _, rows, _ in timed)
         assert len(set(buckets)) == len(buckets)  # once per bucket
         stored = json.loads(linear_kernels.cache_path(linear_kernels.machine()).read_text())
         runs = stored["entries"][f"run {run}"]
         assert sorted(map(int, runs)) == buckets
-        assert all(run["choice"] == min(run["ms"], key=run["ms"].get) for run in runs.values())
+        assert all(entry["choice"] == min(entry["ms"], key=entry["ms"].get)
+                   for entry in runs.values())
         linear_kernels.reset()  # a new process
         count = len(timed)
         assert torch.equal(logits(base, True, True, batch=1), pinned) and len(timed) == count
@@ -337,14 +337,17 @@ def test_a_stored_run_choice_outside_the_options_is_timed_again(monkeypatch, tmp
     linear_kernels.reset()
     options = ("per_shape", "skinny")
     try:
-        assert linear_kernels.run_choice("k", 3, options, lambda: {"per_shape": 2.0, "skinny": 1.0}) == "skinny"
+        assert linear_kernels.run_choice(
+            "k", 3, options, lambda: {"per_shape": 2.0, "skinny": 1.0}) == "skinny"
         linear_kernels.reset()
         path = linear_kernels.cache_path(linear_kernels.machine())
         stored = json.loads(path.read_text())
         stored["entries"]["run k"]["4"]["choice"] = "gone"
         path.write_text(json.dumps(stored))
-        assert linear_kernels.run_choice("k", 4, options, lambda: {"per_shape": 1.0, "skinny": 3.0}) == "per_shape"
+        assert linear_kernels.run_choice(
+            "k", 4, options, lambda: {"per_shape": 1.0, "skinny": 3.0}) == "per_shape"
         monkeypatch.setenv(linear_kernels.PIN_ENV, "skinny_row")
-        assert linear_kernels.run_choice("k", 1, options, lambda: pytest.fail("timed while pinned")) is None
+        assert linear_kernels.run_choice(
+            "k", 1, options, lambda: pytest.fail("timed while pinned")) is None
     finally:
         linear_kernels.reset()

@@ -247,7 +247,8 @@ OP_PRODUCTS = (1, 3, 5, 6)
 
 def run_key(weights) -> str:
     """A run of decoding layers named by its products' shapes and weight dtypes, a layer's four
-    at a time, consecutive equal layers counted ("30 x 960x576 576x576 3072x576 576x1536 float32")."""
+    at a time, consecutive equal layers counted
+    ("30 x 960x576 576x576 3072x576 576x1536 float32")."""
     layers = []
     for i in range(0, len(weights), OP_WEIGHTS_PER_LAYER):
         products = [weights[i + j] for j in OP_PRODUCTS]
@@ -318,7 +319,8 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
     if memo is None:
         operands = [], [], [], []
         for layer in layers:
-            for found, part in zip(operands, layer.self_attention.chain_cache(cache, hidden_states)):
+            parts = layer.self_attention.chain_cache(cache, hidden_states)
+            for found, part in zip(operands, parts):
                 found.append(part)
         schedules = run_schedules(layers, s, weights, lambda schedules: call(operands, schedules))
         memo = cache.memo[key] = (operands, schedules)

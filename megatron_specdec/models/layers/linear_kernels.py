@@ -287,11 +287,16 @@ _products = {}
 _runs = {}
 
 
+def bucket_of(rows: int) -> int:
+    """The row bucket (SMALL_BUCKETS, then WIDE_BUCKETS) whose choice `rows` rows take."""
+    return next(b for b in SMALL_BUCKETS + WIDE_BUCKETS if rows <= b)
+
+
 def product(weight: torch.Tensor, rows: int):
     """The function computing `x @ weight.T` for `rows` rows (<= MAX_ROWS) on this machine."""
     global _choice
     out_features, in_features = weight.shape
-    bucket = next(b for b in SMALL_BUCKETS + WIDE_BUCKETS if rows <= b)
+    bucket = bucket_of(rows)
     key = (out_features, in_features, weight.dtype, bucket)
     fn = _products.get(key)
     if fn is None:
@@ -315,7 +320,7 @@ def run_choice(key: str, rows: int, options: tuple, measure) -> str | None:
     global _choice
     if os.environ.get(PIN_ENV):
         return None
-    bucket = next(b for b in SMALL_BUCKETS if rows <= b)
+    bucket = bucket_of(rows)
     name = _runs.get((key, bucket))
     if name is None:
         _choice = _choice or KernelChoice()
