@@ -323,6 +323,55 @@ __attribute__((target("avx2"))) inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
 }
 
+// The sums of eight int32 vectors in one, lane i holding v[i]'s (integer sums are exact in any
+// order).
+__attribute__((target("avx2"))) inline __m256i sum8(const __m256i (&v)[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The two values of v from n0, each over four lanes (lane l: v[n0 + l / 4]).
+__attribute__((target("avx2"))) inline __m256 by_n8(const float* v, int64_t n0) {
+  return _mm256_set_m128(_mm_set1_ps(v[n0 + 1]), _mm_set1_ps(v[n0]));
+}
+
+// The four values of v from r0, twice (lane l: v[r0 + l % 4]).
+__attribute__((target("avx2"))) inline __m256 by_r8(const float* v, int64_t r0) {
+  return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(v + r0));
+}
+
+// Kept::add for weight rows n0, n0 + 1 (n0 even) and rows r0 .. r0 + 3 of x (r0 a multiple of
+// four) at once, in Kept::add's arithmetic: d holds D[r0 + r][n0 + n] in lane 4 n + r, where Kept
+// keeps that pair's running lower end.
+__attribute__((target("avx2,fma"))) void add8(Kept& kept, int64_t n0, int64_t r0, __m256i d) {
+  const IntOperands& o = kept.o;
+  const __m256 z = _mm256_mul_ps(_mm256_mul_ps(by_n8(o.scale, n0), by_r8(o.t, r0)), _mm256_cvtepi32_ps(d));
+  alignas(32) float zs[8];
+  _mm256_store_ps(zs, z);
+  if (o.z != nullptr) {
+    for (int l = 0; l < 8; ++l) o.z[(r0 + l % 4) * o.ldz + n0 + l / 4] = zs[l];
+  }
+  const __m256 b = _mm256_add_ps(_mm256_fmadd_ps(by_n8(o.a, n0), by_r8(o.X, r0), _mm256_mul_ps(by_n8(o.c, n0), by_r8(o.E, r0))),
+                                 _mm256_set1_ps(Kept::kSlack));
+  const __m256 hi = _mm256_add_ps(z, b);
+  float* lanes = kept.lanes.data() + r0 / 4 * 16 + n0 % 4 * 4;
+  const __m256 low = _mm256_max_ps(_mm256_loadu_ps(lanes), _mm256_sub_ps(z, b));
+  _mm256_storeu_ps(lanes, low);
+  // z * 0 is NaN exactly where z is not finite.
+  const int bad = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(z, _mm256_setzero_ps()), _mm256_setzero_ps(),
+                                                   _CMP_UNORD_Q));
+  const int keep = _mm256_movemask_ps(_mm256_cmp_ps(hi, low, _CMP_GE_OQ));
+  if (!(bad | keep)) return;
+  alignas(32) float his[8];
+  _mm256_store_ps(his, hi);
+  for (unsigned mask = bad; mask; mask &= mask - 1) kept.bad[r0 + __builtin_ctz(mask) % 4] = 1;
+  for (unsigned mask = keep; mask; mask &= mask - 1) {
+    const int l = __builtin_ctz(mask);
+    kept.high[r0 + l % 4].emplace_back(his[l], n0 + l / 4);
+  }
+}
+
 template <int NB, int MB>
 __attribute__((target("avx2"), always_inline)) inline void avx2_step(__m256i (&acc)[MB][NB], const __m256i (&wv)[NB],
                                                                      const int16_t* const (&x)[MB], int64_t k) {
@@ -359,8 +408,15 @@ __attribute__((target("avx2"))) void int_block_avx2(Kept& kept, int64_t n0, int6
     for (int n = 0; n < NB; ++n) wv[n] = load_q16(b.w[n] + k, std::min<int64_t>(16, o.k - k));
     avx2_step<NB, MB>(acc, wv, b.x, k);
   }
-  for (int r = 0; r < MB; ++r) {
-    for (int n = 0; n < NB; ++n) kept.add(r0 + r, n0 + n, hsum_epi32(acc[r][n]));
+  if constexpr (NB == 2 && MB == 4) {
+    __m256i all[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) all[i] = acc[i % 4][i / 4];
+    add8(kept, n0, r0, sum8(all));
+  } else {
+    for (int r = 0; r < MB; ++r) {
+      for (int n = 0; n < NB; ++n) kept.add(r0 + r, n0 + n, hsum_epi32(acc[r][n]));
+    }
   }
 }
 #endif
@@ -374,12 +430,21 @@ void int_block(IntPath path, Kept& kept, int64_t n0, int64_t r0) {
   int_block_scalar<NB, MB>(kept, n0, r0);
 }
 
-// Weight rows [n0, n0 + NB) against all m rows of x, four at a time (two on AVX2: its 16
-// registers hold 4 x 2 accumulators beside the weights).
+// Weight rows [n0, n0 + NB) against all m rows of x, four at a time. AVX2's 16 registers hold
+// eight accumulators beside the weights: four rows of x against two weight rows (a block of four
+// taken as two), summed into one vector for add8; the rows of x left, two at a time against all
+// four. (Two rows of x against four weight rows throughout, an 8-row head spent two fifths of its
+// time in the scalar Kept::add and spilled accumulators: AMD EPYC Zen 3.)
 template <int NB>
 void int_rows(IntPath path, Kept& kept, int64_t n0, int64_t m) {
   int64_t r = 0;
   if (path == IntPath::kAvx2) {
+    if constexpr (NB == 4) {
+      for (; r + 4 <= m; r += 4) {
+        int_block<2, 4>(path, kept, n0, r);
+        int_block<2, 4>(path, kept, n0 + 2, r);
+      }
+    }
     for (; r + 2 <= m; r += 2) int_block<NB, 2>(path, kept, n0, r);
   } else {
     for (; r + 4 <= m; r += 4) int_block<NB, 4>(path, kept, n0, r);
