@@ -139,6 +139,17 @@ struct Kept {
     if (z + b >= low) high[r].emplace_back(z + b, n);
   }
 
+  // A vector epilogue's lanes (lane 4 n + r: weight row n0 + n, row r0 + r of x) whose logit
+  // was not finite (`bad_lanes`) or whose upper end his[l] reached the running lower end
+  // (`keep_lanes`).
+  void mark(int64_t n0, int64_t r0, unsigned bad_lanes, unsigned keep_lanes, const float* his) {
+    for (unsigned mask = bad_lanes; mask; mask &= mask - 1) bad[r0 + __builtin_ctz(mask) % 4] = 1;
+    for (unsigned mask = keep_lanes; mask; mask &= mask - 1) {
+      const int l = __builtin_ctz(mask);
+      high[r0 + l % 4].emplace_back(his[l], n0 + l / 4);
+    }
+  }
+
   float low(int64_t r) const {
     float out = -std::numeric_limits<float>::infinity();
     for (int l = 0; l < 4; ++l) out = std::max(out, lanes[r / 4 * 16 + l * 4 + r % 4]);
@@ -251,11 +262,7 @@ __attribute__((target("avx512f"))) void add16(Kept& kept, int64_t n0, int64_t r0
   if (!(bad | keep)) return;
   alignas(64) float his[16];
   _mm512_store_ps(his, hi);
-  for (uint32_t mask = bad; mask; mask &= mask - 1) kept.bad[r0 + __builtin_ctz(mask) % 4] = 1;
-  for (uint32_t mask = keep; mask; mask &= mask - 1) {
-    const int l = __builtin_ctz(mask);
-    kept.high[r0 + l % 4].emplace_back(his[l], n0 + l / 4);
-  }
+  kept.mark(n0, r0, bad, keep, his);
 }
 
 // Columns k .. k + 31 of the block's weight rows against each of its rows of x; `tail` masks
@@ -365,11 +372,7 @@ __attribute__((target("avx2,fma"))) void add8(Kept& kept, int64_t n0, int64_t r0
   if (!(bad | keep)) return;
   alignas(32) float his[8];
   _mm256_store_ps(his, hi);
-  for (unsigned mask = bad; mask; mask &= mask - 1) kept.bad[r0 + __builtin_ctz(mask) % 4] = 1;
-  for (unsigned mask = keep; mask; mask &= mask - 1) {
-    const int l = __builtin_ctz(mask);
-    kept.high[r0 + l % 4].emplace_back(his[l], n0 + l / 4);
-  }
+  kept.mark(n0, r0, bad, keep, his);
 }
 
 template <int NB, int MB>
