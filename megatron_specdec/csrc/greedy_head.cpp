@@ -354,13 +354,14 @@ __attribute__((target("avx2"))) inline __m256 by_r8(const float* v, int64_t r0) 
 __attribute__((target("avx2,fma"))) void add8(Kept& kept, int64_t n0, int64_t r0, __m256i d) {
   const IntOperands& o = kept.o;
   const __m256 z = _mm256_mul_ps(_mm256_mul_ps(by_n8(o.scale, n0), by_r8(o.t, r0)), _mm256_cvtepi32_ps(d));
-  alignas(32) float zs[8];
-  _mm256_store_ps(zs, z);
   if (o.z != nullptr) {
+    alignas(32) float zs[8];
+    _mm256_store_ps(zs, z);
     for (int l = 0; l < 8; ++l) o.z[(r0 + l % 4) * o.ldz + n0 + l / 4] = zs[l];
   }
-  const __m256 b = _mm256_add_ps(_mm256_fmadd_ps(by_n8(o.a, n0), by_r8(o.X, r0), _mm256_mul_ps(by_n8(o.c, n0), by_r8(o.E, r0))),
-                                 _mm256_set1_ps(Kept::kSlack));
+  const __m256 b = _mm256_add_ps(
+      _mm256_fmadd_ps(by_n8(o.a, n0), by_r8(o.X, r0), _mm256_mul_ps(by_n8(o.c, n0), by_r8(o.E, r0))),
+      _mm256_set1_ps(Kept::kSlack));
   const __m256 hi = _mm256_add_ps(z, b);
   float* lanes = kept.lanes.data() + r0 / 4 * 16 + n0 % 4 * 4;
   const __m256 low = _mm256_max_ps(_mm256_loadu_ps(lanes), _mm256_sub_ps(z, b));
