@@ -465,6 +465,26 @@ void ChainAttention::attend_task(int64_t task, float* scratch, float* out) const
   }
 }
 
+void ChainAttention::prefetch_cache(int64_t begin, int64_t end) const {
+#ifdef SPECDEC_X86
+  if (begin >= end) return;
+  // Tasks run token by token, group by group: a run of them visits groups g0, g0 + 1, ...
+  // (cyclically), all of them once it spans a token.
+  const int64_t g0 = begin / chunks % groups;
+  const int64_t visited =
+      end - begin >= groups * chunks ? groups : ((end - 1) / chunks % groups - g0 + groups) % groups + 1;
+  for (int64_t j = 0; j < visited; ++j) {
+    const int64_t g = (g0 + j) % groups;
+    for (int64_t t = 0; t < first; ++t) {
+      for (int64_t c = 0; c < d; c += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(key_cache + t * key_stride + g * d + c), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + t * value_stride + g * d + c), _MM_HINT_T1);
+      }
+    }
+  }
+#endif
+}
+
 int64_t ChainAttention::task_flops() const { return 2 * (first + s) * d * per_chunk; }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -45,6 +45,9 @@ struct ChainAttention {
   void write_slot(int64_t item) const;
   int64_t tasks() const { return s * groups * chunks; }
   void attend_task(int64_t task, float* scratch, float* out) const;
+  // Requests into L2 the cached keys and values (slots before this chain) that tasks [begin, end)
+  // read, so that the attention does not wait on them one miss at a time.
+  void prefetch_cache(int64_t begin, int64_t end) const;
   // Multiply-adds of one task (a parallel grain's unit) and the floats of its scratch.
   int64_t task_flops() const;
   int64_t scratch_size() const { return per_chunk * (d + first + s); }
