@@ -150,7 +150,7 @@ class LayerPlan {
     if (bias_.defined()) add_rows(qkv_op_.y, qkv_out, bias_.data_ptr<float>(), 0, s_, q);
     // The cache lines this thread's attention reads, requested before the barriers: the
     // weights streamed since the last step have evicted them, and met one miss at a time they
-    // took a third of an 8-token chain's attention (AMD EPYC Zen 5, perf).
+    // made an 8-token chain's attention a fifth slower (AMD EPYC Zen 5, perf).
     const auto tasks = share(attention_.tasks(), 1, t, n_threads);
     attention_.prefetch_cache(tasks.first, tasks.second);
 #pragma omp barrier
