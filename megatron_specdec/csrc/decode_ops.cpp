@@ -445,7 +445,7 @@ void ChainAttention::write_slot(int64_t item) const {
 }
 
 void ChainAttention::attend_task(int64_t task, float* scratch, float* out) const {
-  const int64_t i = task / (groups * chunks), g = task / chunks % groups, c = task % chunks;
+  const int64_t i = task / (groups * chunks), g = group_of(task), c = task % chunks;
   const int64_t h = g * per_group + c * per_chunk, n = std::min(per_chunk, per_group - c * per_chunk);
   const float* q = qkv_.data_ptr<float>() + (i * groups + g) * width + c * per_chunk * d;
   for (int64_t j = 0; j < n; ++j) {
@@ -468,11 +468,9 @@ void ChainAttention::attend_task(int64_t task, float* scratch, float* out) const
 void ChainAttention::prefetch_cache(int64_t begin, int64_t end) const {
 #ifdef SPECDEC_X86
   if (begin >= end) return;
-  // Tasks run token by token, group by group: a run of them visits groups g0, g0 + 1, ...
-  // (cyclically), all of them once it spans a token.
-  const int64_t g0 = begin / chunks % groups;
-  const int64_t visited =
-      end - begin >= groups * chunks ? groups : ((end - 1) / chunks % groups - g0 + groups) % groups + 1;
+  // A run of tasks visits groups g0, g0 + 1, ... (cyclically), all of them once it spans a token.
+  const int64_t g0 = group_of(begin);
+  const int64_t visited = end - begin >= groups * chunks ? groups : (group_of(end - 1) - g0 + groups) % groups + 1;
   for (int64_t j = 0; j < visited; ++j) {
     const int64_t g = (g0 + j) % groups;
     for (int64_t t = 0; t < first; ++t) {

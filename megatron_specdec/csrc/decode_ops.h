@@ -44,6 +44,8 @@ struct ChainAttention {
                  const at::Tensor& values, int64_t first, int64_t heads, double scale, int threads);
   void write_slot(int64_t item) const;
   int64_t tasks() const { return s * groups * chunks; }
+  // Tasks run token by token, group by group, chunk by chunk: the cache group task reads.
+  int64_t group_of(int64_t task) const { return task / chunks % groups; }
   void attend_task(int64_t task, float* scratch, float* out) const;
   // Requests into L2 the cached keys and values (slots before this chain) that tasks [begin, end)
   // read, so that the attention does not wait on them one miss at a time.
