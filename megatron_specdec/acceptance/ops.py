@@ -45,7 +45,10 @@ def _has_kernel(name: str, key: str) -> bool:
     """op_available's answer, fixed for the process (decoding asks it every step)."""
     if _EXT_ERROR is not None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_specdec::{name}", key)
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_specdec::{name}", key)
+    except RuntimeError:  # the op is not registered at all: a build from before it
+        return False
 
 
 def extension_available(device=torch.device("cpu")):
