@@ -202,7 +202,7 @@ def test_decode_layers_bad_input_named_in_one_line():
          r"fc1_weight must be float32 \(or a float16 or bfloat16 copy\)"),
         (dict(heads=[4, 4]), "heads and scale must hold one value per layer"),
         (dict(blocks=[0, 0, 0]), "schedules must hold 4 per layer"),
-        (dict(blocks=[0, 3, 0, 0]), "decode_layer: schedule must be 0 .*, got 3"),
+        (dict(blocks=[0, 4, 0, 0]), "decode_layer: schedule must be 0 .*, got 4"),
         (dict(capture=[1]), "capture holds layer 1, expected 0 .. 0"),
         (dict(hidden=rand(2, 2, h)), r"hidden must be float32 \[s, 1, H\]"),
         (dict(weights=weights[:5] + [rand(2 * f + 1, h)] + weights[6:]), "fc1_weight must be"),

@@ -143,8 +143,8 @@ def test_bad_input_named_in_one_line():
         with pytest.raises(RuntimeError, match=message) as info:
             skinny(x, weight)
         assert "skinny_linear" in str(info.value).splitlines()[0]
-    with pytest.raises(RuntimeError, match=r"schedule must be 0 \(the ISA's block, .*, got 3"):
-        skinny(torch.randn(2, 16), w, 3)
+    with pytest.raises(RuntimeError, match=r"schedule must be 0 \(the ISA's block, .*, got 4"):
+        skinny(torch.randn(2, 16), w, 4)
 
 
 def test_empty_shapes():

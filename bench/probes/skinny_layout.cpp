@@ -9,8 +9,12 @@
 //     x broadcast a column at a time, one sequential FMA chain over K per output (no
 //     horizontal sums; the same bits at any row count, panel width or vector width); the
 //     stream prefetched AHEAD bytes ahead into L2.
+//  C  W repacked as panels [N/P][16][K/16][P] whose columns are grouped by k mod 16, the groups
+//     in the order A's horizontal sum pairs its lanes (0, 8, 4, 12, ...): one accumulator per
+//     output and group, the groups' partial sums added vector by vector in that pairing, so
+//     every output is bitwise A's; prefetched as B.
 //
-// Prints milliseconds a step's products at 1-16 rows of x for both, and (with `cache`) one
+// Prints milliseconds a step's products at 1-16 rows of x for each, and (with `cache`) one
 // thread's rate on the 576x576 weight from L2. AVX-512 CPUs only.
 //
 //   g++ -O3 -fopenmp -o /tmp/layout bench/probes/skinny_layout.cpp && /tmp/layout [V [AHEAD]] [cache]
@@ -125,6 +129,87 @@ void product_b(const float* packed, int v, int n_out, int k, const float* x, int
   }
 }
 
+// Lane l of A's accumulator holds k = l mod 16; _mm512_reduce_add_ps adds lanes l and l + 8,
+// then l + 4, l + 2, l + 1: a binary tree whose leaves, left to right, are these lanes.
+constexpr int kLeaf[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+template <int R, int V>
+__attribute__((target("avx512f"))) void panel_c(const float* p, int k, const float* x, float* y, int ldy,
+                                                const float* stop) {
+  const int cols = k / 16;
+  __m512 stack[4][R][V];
+  int level[4], depth = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int j = kLeaf[i];
+    const float* pj = p + static_cast<size_t>(i) * cols * 16 * V;
+    __m512 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int c = 0; c < cols; ++c) {
+      const float* pk = pj + static_cast<size_t>(c) * 16 * V;
+      __m512 wv[V];
+      for (int v = 0; v < V; ++v) {
+        const char* ahead = reinterpret_cast<const char*>(pk + 16 * v) + g_ahead;
+        if (ahead < reinterpret_cast<const char*>(stop)) _mm_prefetch(ahead, _MM_HINT_T1);
+        wv[v] = _mm512_load_ps(pk + 16 * v);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * k + 16 * c + j]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xb, acc[r][v]);
+      }
+    }
+    int lv = 0;
+    for (; depth > 0 && level[depth - 1] == lv; --depth, ++lv)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_add_ps(stack[depth - 1][r][v], acc[r][v]);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) stack[depth][r][v] = acc[r][v];
+    level[depth++] = lv;
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, stack[0][r][v]);
+}
+
+template <int V>
+void rows_c(const float* p, int k, const float* x, int rows, float* y, int n_out, const float* stop) {
+  for (int m = 0; m < rows; m += 8) {
+    const float* xx = x + static_cast<size_t>(m) * k;
+    float* yy = y + static_cast<size_t>(m) * n_out;
+    switch (std::min(8, rows - m)) {
+      case 8: panel_c<8, V>(p, k, xx, yy, n_out, stop); break;
+      case 7: panel_c<7, V>(p, k, xx, yy, n_out, stop); break;
+      case 6: panel_c<6, V>(p, k, xx, yy, n_out, stop); break;
+      case 5: panel_c<5, V>(p, k, xx, yy, n_out, stop); break;
+      case 4: panel_c<4, V>(p, k, xx, yy, n_out, stop); break;
+      case 3: panel_c<3, V>(p, k, xx, yy, n_out, stop); break;
+      case 2: panel_c<2, V>(p, k, xx, yy, n_out, stop); break;
+      default: panel_c<1, V>(p, k, xx, yy, n_out, stop); break;
+    }
+  }
+}
+
+void product_c(const float* packed, int v, int n_out, int k, const float* x, int rows, float* y, int tid, int nt) {
+  const int width = 16 * v, panels = n_out / width, per = (panels + nt - 1) / nt;
+  const int q0 = tid * per, q1 = std::min(panels, q0 + per);
+  const float* stop = packed + static_cast<size_t>(q1) * k * width;
+  for (int q = q0; q < q1; ++q) {
+    const float* p = packed + static_cast<size_t>(q) * k * width;
+    if (v == 2) rows_c<2>(p, k, x, rows, y + q * width, n_out, stop);
+    else if (v == 4) rows_c<4>(p, k, x, rows, y + q * width, n_out, stop);
+    else rows_c<3>(p, k, x, rows, y + q * width, n_out, stop);
+  }
+}
+
+void pack_c(const float* w, int n_out, int k, int width, float* out) {
+  const int cols = k / 16;
+  for (int q = 0; q < n_out / width; ++q)
+    for (int i = 0; i < 16; ++i)
+      for (int c = 0; c < cols; ++c)
+        for (int j = 0; j < width; ++j)
+          out[((static_cast<size_t>(q) * 16 + i) * cols + c) * width + j] =
+              w[static_cast<size_t>(q * width + j) * k + 16 * c + kLeaf[i]];
+}
+
 void pack(const float* w, int n_out, int k, int width, float* out) {
   for (int q = 0; q < n_out / width; ++q)
     for (int kk = 0; kk < k; ++kk)
@@ -150,18 +235,21 @@ int main(int argc, char** argv) {
   total *= kLayers;
   float* w = huge(total);
   float* packed = huge(total);
+  float* grouped = huge(total);
   std::srand(1);
   for (size_t i = 0; i < total; ++i) w[i] = (std::rand() / static_cast<float>(RAND_MAX) - 0.5f) * 0.1f;
-  std::vector<const float*> wl, pl;
+  std::vector<const float*> wl, pl, gl;
   size_t off = 0;
   for (int l = 0; l < kLayers; ++l)
     for (const Shape s : kShapes) {
       wl.push_back(w + off);
       pack(w + off, s.n, s.k, 16 * v, packed + off);
       pl.push_back(packed + off);
+      pack_c(w + off, s.n, s.k, 16 * v, grouped + off);
+      gl.push_back(grouped + off);
       off += static_cast<size_t>(s.n) * s.k;
     }
-  std::vector<float> x(16 * 1536), ya(16 * 3072), yb(16 * 3072), one(3072);
+  std::vector<float> x(16 * 1536), ya(16 * 3072), yb(16 * 3072), yc(16 * 3072), one(3072);
   for (float& e : x) e = std::rand() / static_cast<float>(RAND_MAX) - 0.5f;
   for (int si : {0, 3}) {  // B against float64, and a row alone against the same row among 8
     const Shape s = kShapes[si];
@@ -178,27 +266,39 @@ int main(int argc, char** argv) {
     std::printf("B %dx%d: largest error against float64 %.3g; row alone vs among 8: %d outputs differ\n", s.n, s.k,
                 err, differ);
   }
+  for (int si = 0; si < 4; ++si) {  // C against A bit for bit, at 1 and 8 rows, and a row alone
+    const Shape s = kShapes[si];
+    int differ = 0;
+    for (int rows : {1, 8}) {
+      product_a(wl[si], s.n, s.k, x.data(), rows, ya.data(), 0, 1);
+      product_c(gl[si], v, s.n, s.k, x.data(), rows, yc.data(), 0, 1);
+      for (int i = 0; i < rows * s.n; ++i) differ += std::memcmp(&ya[i], &yc[i], sizeof(float)) != 0;
+    }
+    std::printf("C %dx%d: outputs that differ from A's bits at 1 and 8 rows: %d\n", s.n, s.k, differ);
+  }
   if (cache) {
     for (int rows : {1, 4, 8, 16}) {
-      double best[2] = {1e9, 1e9};
+      double best[3] = {1e9, 1e9, 1e9};
       for (int rep = 0; rep < 200; ++rep)
-        for (int which = 0; which < 2; ++which) {
+        for (int which = 0; which < 3; ++which) {
           const auto t0 = std::chrono::steady_clock::now();
           if (which == 0) product_a(wl[1], 576, 576, x.data(), rows, ya.data(), 0, 1);
-          else product_b(pl[1], v, 576, 576, x.data(), rows, yb.data(), 0, 1);
+          else if (which == 1) product_b(pl[1], v, 576, 576, x.data(), rows, yb.data(), 0, 1);
+          else product_c(gl[1], v, 576, 576, x.data(), rows, yc.data(), 0, 1);
           best[which] = std::min(best[which], std::chrono::duration<double, std::micro>(
                                                   std::chrono::steady_clock::now() - t0).count());
         }
       const double fmas = 576.0 * 576 * rows / 16;
-      std::printf("576x576 from L2, one thread, %2d rows: A %6.1f us (%.2f G zmm FMA/s), B %6.1f us (%.2f)\n", rows,
-                  best[0], fmas / best[0] / 1e3, best[1], fmas / best[1] / 1e3);
+      std::printf("576x576 from L2, one thread, %2d rows: A %6.1f us (%.2f G zmm FMA/s), B %6.1f us (%.2f), "
+                  "C %6.1f us (%.2f)\n", rows, best[0], fmas / best[0] / 1e3, best[1], fmas / best[1] / 1e3,
+                  best[2], fmas / best[2] / 1e3);
     }
     return 0;
   }
   for (int rows : {1, 2, 4, 8, 16}) {
-    double best[2] = {1e9, 1e9};
+    double best[3] = {1e9, 1e9, 1e9};
     for (int rep = 0; rep < 12; ++rep)
-      for (int which = 0; which < 2; ++which) {
+      for (int which = 0; which < 3; ++which) {
         const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(2)
         {
@@ -208,14 +308,15 @@ int main(int argc, char** argv) {
             for (int si = 0; si < 4; ++si, ++i) {
               const Shape s = kShapes[si];
               if (which == 0) product_a(wl[i], s.n, s.k, x.data(), rows, ya.data(), tid, 2);
-              else product_b(pl[i], v, s.n, s.k, x.data(), rows, yb.data(), tid, 2);
+              else if (which == 1) product_b(pl[i], v, s.n, s.k, x.data(), rows, yb.data(), tid, 2);
+              else product_c(gl[i], v, s.n, s.k, x.data(), rows, yc.data(), tid, 2);
 #pragma omp barrier
             }
         }
         best[which] = std::min(best[which], std::chrono::duration<double, std::milli>(
                                                 std::chrono::steady_clock::now() - t0).count());
       }
-    std::printf("%2d rows: A (rows as stored) %6.2f ms, B (panels of %d, L2 prefetch %d B ahead) %6.2f ms\n", rows,
-                best[0], 16 * v, g_ahead, best[1]);
+    std::printf("%2d rows: A (rows as stored) %6.2f ms, B (panels of %d, L2 prefetch %d B ahead) %6.2f ms, "
+                "C (B grouped by k mod 16) %6.2f ms\n", rows, best[0], 16 * v, g_ahead, best[1], best[2]);
   }
 }

@@ -119,10 +119,18 @@ class LayerPlan {
     proj_op_ = product_of(att_, att_width, s_, proj_w_, mid_);
     fc1_op_ = product_of(normed2_, h_, s_, fc1_w_, up_);
     fc2_op_ = product_of(act_, f_, s_, fc2_w_, out_);
+    const char* names[4] = {"qkv_weight", "proj_weight", "fc1_weight", "fc2_weight"};
+    const at::Tensor* products[4] = {&qkv_w_, &proj_w_, &fc1_w_, &fc2_w_};
     for (int i = 0; i < 4; ++i) {
       check_skinny_schedule(schedules[i], "decode_layer");
       schedule_[i] = schedules[i];
       width_[i] = skinny_block_width(schedules[i]);
+      // Threads split a product in whole panels (fc1: its gate and up halves alike).
+      const int64_t split = i == 2 ? f_ : products[i]->size(0);
+      TORCH_CHECK(schedules[i] != kSkinnyPanel || (split % kSkinnyPanelWidth == 0 && products[i]->size(1) % 16 == 0),
+                  "decode_layer: ", names[i], " ", products[i]->sizes(), " read as packed panels (schedule 3) needs ",
+                  i == 2 ? "each half's rows" : "its rows", " a multiple of ", kSkinnyPanelWidth,
+                  " and its columns of 16");
     }
   }
 

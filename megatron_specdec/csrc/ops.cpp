@@ -34,6 +34,10 @@ TORCH_LIBRARY(megatron_specdec, m) {
       "float alpha) -> (Tensor, Tensor)");
   m.def("skinny_linear(Tensor x, Tensor weight, int schedule=0) -> Tensor");
   m.def("skinny_linear_isa() -> str", &specdec::skinny_linear_isa);
+  m.def("skinny_pack(Tensor weight) -> Tensor");
+  // Outputs of a packed panel (schedule 3); 0 where this process's path has none.
+  m.def("skinny_panel_width() -> int",
+        [] { return specdec::skinny_panel_available() ? specdec::kSkinnyPanelWidth : int64_t{0}; });
   m.def(
       "greedy_head(Tensor x, Tensor screen, Tensor scale, Tensor weight, Tensor bound, bool screened=False) -> "
       "(Tensor, Tensor, Tensor)");
@@ -56,6 +60,7 @@ TORCH_LIBRARY_IMPL(megatron_specdec, CPU, m) {
   m.impl("tree_verify_stochastic", &specdec::tree_verify_stochastic_cpu);
   m.impl("typical_verify", &specdec::typical_verify_cpu);
   m.impl("skinny_linear", &specdec::skinny_linear_cpu);
+  m.impl("skinny_pack", &specdec::skinny_pack_cpu);
   m.impl("greedy_head", &specdec::greedy_head_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
   m.impl("silu_mul", &specdec::silu_mul_cpu);

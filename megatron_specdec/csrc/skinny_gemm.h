@@ -26,9 +26,26 @@ enum SkinnySchedule : int64_t {
   // The ISA's block; each pass prefetches its share of the next block's columns, one line a
   // row at each line start, over part of the pass.
   kSkinnyBlockBurst = 2,
+  // Weights repacked as panels (skinny_pack): the lanes are kSkinnyPanelWidth outputs, x is
+  // broadcast a column at a time, and the columns are grouped by k mod 16 in the order the
+  // block's horizontal sum pairs its lanes, so every output is bitwise the other schedules'.
+  // One pass over a panel serves up to 8 rows of x. AVX-512 path only.
+  kSkinnyPanel = 3,
 };
 
-// Refuses a schedule that is none of the above, naming `what`.
+// Outputs of one panel (kSkinnyPanel): a product's out-features must be a multiple.
+constexpr int64_t kSkinnyPanelWidth = 48;
+
+// Whether kSkinnyPanel runs here (the AVX-512 path).
+bool skinny_panel_available();
+
+// weight [N, K] (float32, float16 or bfloat16; N a multiple of kSkinnyPanelWidth, K of 16)
+// repacked as kSkinnyPanel reads it: [N / width][16 column groups][K / 16][width], returned as
+// an [N, K] tensor of the same dtype.
+at::Tensor skinny_pack_cpu(const at::Tensor& weight);
+
+// Refuses a schedule that is none of the above (or kSkinnyPanel off the AVX-512 path), naming
+// `what`.
 void check_skinny_schedule(int64_t schedule, const char* what);
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t schedule = kSkinnyBlockSpread);
@@ -61,6 +78,7 @@ int64_t skinny_block_width(int64_t schedule);
 
 // Output features [begin, end) of the product on the calling thread: one thread's share of a
 // product that a caller splits over its own threads, each element bitwise skinny_linear_cpu's.
+// kSkinnyPanel: w is skinny_pack's, begin and end multiples of its width.
 void skinny_share(const SkinnyOperands& operands, int64_t begin, int64_t end, int64_t schedule);
 
 }  // namespace specdec
