@@ -12,15 +12,22 @@ A float32 weight whose values are all bfloat16 (or float16) values, as a model t
 bf16 and imported in float32 (most Hugging Face checkpoints) or a draft from a bf16 export
 holds, also gets a 16-bit copy there (`narrow_copy`): the skinny GEMM widens it exactly as it
 reads it, so a decoding product streams half the bytes and computes the same bits.
+
+A run of decoding layers may read its products' weights repacked as panels (`panel_copy`, the
+skinny op's schedule 3): a second copy of what it streams, made where a run's measured choice
+takes the panels, and the same bits.
 """
 
 import logging
 import mmap
 import time
 import weakref
+from functools import lru_cache
 from typing import Optional
 
 import torch
+
+from megatron_specdec.acceptance.ops import op_available
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +157,42 @@ def streamed(weight: torch.Tensor) -> torch.Tensor:
     values."""
     narrow = narrow_copy(weight)
     return weight if narrow is None else narrow
+
+
+# id -> (weak reference, (data pointer, version), panel copy or None) of each weight asked for
+# panels; keyed by id, as tensors compare elementwise.
+_panels = {}
+
+
+@lru_cache(maxsize=None)
+def panel_width() -> int:
+    """Outputs of a packed panel on this process's path of the skinny op; 0: no panels here."""
+    return torch.ops.megatron_specdec.skinny_panel_width() if op_available("skinny_pack") else 0
+
+
+def panel_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """`weight` (a decoding product's weight as `streamed` gives it) repacked as the skinny op's
+    panels on huge pages, or None where its shape takes none (out-features a multiple of
+    panel_width(), in-features of 16) or the memory has no room. Made once per weight, and again
+    after its storage or values change."""
+    found = _panels.get(id(weight))
+    key = (weight.data_ptr(), weight._version)
+    if found is not None and found[0]() is weight and found[1] == key:
+        return found[2]
+    width = panel_width()
+    copy = None
+    if (width and weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % width == 0
+            and weight.shape[1] % 16 == 0
+            and _room_for(weight.numel() * weight.element_size(), weight.shape)):
+        copy = huge_page_empty(weight.numel(), weight.dtype).view(weight.shape)
+        with torch.no_grad():
+            copy.copy_(torch.ops.megatron_specdec.skinny_pack(weight))
+    number = id(weight)
+    _panels[number] = (weakref.ref(weight, lambda _: _panels.pop(number, None)), key, copy)
+    return copy
+
+
+def drop_panel_copies(weights):
+    """Free the panel copies of `weights` (a run whose measured choice did not take them)."""
+    for weight in weights:
+        _panels.pop(id(weight), None)

@@ -33,13 +33,19 @@ from megatron_specdec.acceptance.ops import op_available
 from megatron_specdec.models.layers.decode_attention import DecodeCache, DecodeSelfAttention
 from megatron_specdec.models.layers.linear_kernels import (
     INVARIANT_ROWS,
+    PANEL_SCHEDULE,
     SKINNY_SCHEDULES,
     product,
     run_choice,
     skinny_schedule,
 )
 from megatron_specdec.models.layers.small_rows_linear import decode_linear, plain_decoding_linear
-from megatron_specdec.models.weight_memory import streamed
+from megatron_specdec.models.weight_memory import (
+    drop_panel_copies,
+    panel_copy,
+    panel_width,
+    streamed,
+)
 
 # The arguments `decode` takes; another one given (not None) keeps forward.
 _DECODE_KWARGS = frozenset(("hidden_states", "attention_mask", "inference_context"))
@@ -261,6 +267,34 @@ def run_key(weights) -> str:
     return ", ".join(f"{n} x {layer}" for n, layer in layers)
 
 
+def run_products(weights) -> list:
+    """The product weights of a run's op_weights, in the order of its schedules."""
+    return [weights[i + j] for i in range(0, len(weights), OP_WEIGHTS_PER_LAYER)
+            for j in OP_PRODUCTS]
+
+
+def with_panels(weights, schedules) -> list:
+    """The decode_layers op's weights under `schedules`: a product taking PANEL_SCHEDULE reads
+    its panel copy (weight_memory.panel_copy)."""
+    if PANEL_SCHEDULE not in schedules:
+        return weights
+    weights = list(weights)
+    for i, schedule in enumerate(schedules):
+        if schedule == PANEL_SCHEDULE:
+            at = i // 4 * OP_WEIGHTS_PER_LAYER + OP_PRODUCTS[i % 4]
+            weights[at] = panel_copy(weights[at])
+    return weights
+
+
+def panels_fit(weights) -> bool:
+    """Whether every product of a run can read panels: each has a panel copy (its shape, the
+    memory) and fc1's gate and up halves are whole panels each (the op splits them alike)."""
+    width = panel_width()
+    products = run_products(weights)
+    return (width > 0 and all(w.shape[0] // 2 % width == 0 for w in products[2::4])
+            and all(panel_copy(w) is not None for w in products))
+
+
 def run_schedules(layers, rows: int, weights, call) -> list:
     """The skinny op's schedules of a run of decoding layers at `rows` rows: each product's own
     (linear_kernels' choice, timed one shape at a time) or one schedule for every product,
@@ -269,12 +303,16 @@ def run_schedules(layers, rows: int, weights, call) -> list:
     layers stream one after another in one parallel region (AMD EPYC Zen 5, a SmolLM2 forward
     at one row: 14.9 ms with the shapes' own, 12.8 ms with the one-row block for every product;
     bench/results/decode_step_zen5_run_choice_26291ec.json). A prefill (more rows than
-    INVARIANT_ROWS) keeps the shapes' own."""
+    INVARIANT_ROWS) keeps the shapes' own. Where the products fit panels (panels_fit), one more
+    option reads them all from their panel copies, which are freed again when it is not the
+    choice."""
     per_shape = [schedule for layer in layers for schedule in layer.schedules(rows)]
     if rows > INVARIANT_ROWS:
         return per_shape
     options = {"per_shape": per_shape,
                **{name: [schedule] * len(per_shape) for name, schedule in SKINNY_SCHEDULES.items()}}
+    if panels_fit(weights):
+        options["skinny_panel"] = [PANEL_SCHEDULE] * len(per_shape)
 
     def measure() -> dict:
         best = dict.fromkeys(options, math.inf)
@@ -288,7 +326,10 @@ def run_schedules(layers, rows: int, weights, call) -> list:
                 break
         return best
 
-    return options.get(run_choice(run_key(weights), rows, tuple(options), measure), per_shape)
+    chosen = options.get(run_choice(run_key(weights), rows, tuple(options), measure), per_shape)
+    if PANEL_SCHEDULE not in chosen:
+        drop_panel_copies(run_products(weights))
+    return chosen
 
 
 def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=None) -> list:
@@ -311,8 +352,8 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
     def call(operands, schedules):
         keys, values, heads, scales = operands
         return torch.ops.megatron_specdec.decode_layers(
-            hidden_states, weights, eps, cos, sin, keys, values, cache.chain_start(), heads,
-            scales, schedules, list(capture), embeds)
+            hidden_states, with_panels(weights, schedules), eps, cos, sin, keys, values,
+            cache.chain_start(), heads, scales, schedules, list(capture), embeds)
 
     key = (id(layers[0]), len(layers), s)
     memo = cache.memo.get(key)

@@ -23,7 +23,8 @@ with AVX-512 and lost 1 row by 5% on an Intel Xeon with AMX. Other dtypes take o
 all of those rows, the best over the buckets. Wider calls (batches, trees) choose per bucket.
 A run of decoding layers run as one op (decode_layer.run_schedules) is timed as a whole too:
 its products take their shapes' schedules or one schedule for all, whichever ran it fastest,
-stored beside the shapes' choices (`run_choice`).
+stored beside the shapes' choices (`run_choice`); there the products may also read weights
+repacked as panels, the same bits again from a second copy of the weights.
 """
 
 import hashlib
@@ -51,6 +52,10 @@ MAX_ROWS = WIDE_BUCKETS[-1]  # above: F.linear (a prefill), never measured
 FORMAT = 3
 # SPECDEC_LINEAR=<candidate> pins every shape to one product (benchmarks, comparisons).
 PIN_ENV = "SPECDEC_LINEAR"
+# SPECDEC_RUN=<option> pins a run of decoding layers to one of its options
+# (decode_layer.run_schedules: per_shape, a schedule's name, skinny_panel), read as a run's
+# schedules are first gathered for a cache and chain length.
+RUN_PIN_ENV = "SPECDEC_RUN"
 
 
 def skinny(x, weight):
@@ -88,6 +93,10 @@ CANDIDATES = {"skinny": skinny, "skinny_row": skinny_row, "skinny_burst": skinny
               "f_linear": f_linear, "weight_left": weight_left}
 # The skinny op's schedules, bitwise equal products (its "schedule" argument, skinny_gemm.h).
 SKINNY_SCHEDULES = {"skinny": 0, "skinny_row": 1, "skinny_burst": 2}
+# Its schedule over weights repacked as panels (weight_memory.panel_copy): the same bits again,
+# offered to a run of decoding layers as a whole (decode_layer.run_schedules), as it needs a
+# second copy of the weights.
+PANEL_SCHEDULE = 3
 
 
 def candidates(dtype) -> tuple:
@@ -316,8 +325,14 @@ def product(weight: torch.Tensor, rows: int):
 def run_choice(key: str, rows: int, options: tuple, measure) -> str | None:
     """The option a run of decoding layers `key` (its products' shapes) takes for `rows` (at
     most INVARIANT_ROWS) rows on this machine: read from the cache, or the fastest of
-    `measure()`'s {option: ms}; None where SPECDEC_LINEAR pins the products."""
+    `measure()`'s {option: ms}; SPECDEC_RUN's where it pins one, else None where SPECDEC_LINEAR
+    pins the products."""
     global _choice
+    pinned = os.environ.get(RUN_PIN_ENV)
+    if pinned:
+        if pinned not in options:
+            raise ValueError(f"{RUN_PIN_ENV}={pinned!r}; this run's options here are {options}")
+        return pinned
     if os.environ.get(PIN_ENV):
         return None
     bucket = bucket_of(rows)
