@@ -51,6 +51,7 @@ def main():
     options = args.options.split(",")
 
     distributed.initialize(1, 1)
+    machine = describe_machine()  # read bandwidth and load before the runs
     base, _ = model_from_hf(default_model_dir())
     base.eval()
     if args.bf16_values:
@@ -85,7 +86,7 @@ def main():
         os.environ.pop(RUN_PIN_ENV, None)
     median = {o: {q: statistics.median(t[2:]) for q, t in by_q.items()} for o, by_q in times.items()}
     report = {
-        "machine": describe_machine(), "date": time.strftime("%Y-%m-%d"),
+        "machine": machine, "date": time.strftime("%Y-%m-%d"),
         "weights": "bf16 values" if args.bf16_values else "as loaded", "context": CONTEXT,
         "rounds": args.rounds, "load_average_1min_after": os.getloadavg()[0],
         "forward_ms": {o: {str(q): round(ms, 2) for q, ms in by_q.items()}

@@ -12,7 +12,9 @@
 //  C  W repacked as panels [N/P][16][K/16][P] whose columns are grouped by k mod 16, the groups
 //     in the order A's horizontal sum pairs its lanes (0, 8, 4, 12, ...): one accumulator per
 //     output and group, the groups' partial sums added vector by vector in that pairing, so
-//     every output is bitwise A's; prefetched as B.
+//     every output is bitwise A's; x regrouped the same way once a call (a column's rows side
+//     by side: broadcast from x as stored, a line for each row and column, it streamed no
+//     faster than A); prefetched as B. skinny_gemm.cpp's schedule 3.
 //
 // Prints milliseconds a step's products at 1-16 rows of x for each, and (with `cache`) one
 // thread's rate on the 576x576 weight from L2. AVX-512 CPUs only.
@@ -140,7 +142,6 @@ __attribute__((target("avx512f"))) void panel_c(const float* p, int k, const flo
   __m512 stack[4][R][V];
   int level[4], depth = 0;
   for (int i = 0; i < 16; ++i) {
-    const int j = kLeaf[i];
     const float* pj = p + static_cast<size_t>(i) * cols * 16 * V;
     __m512 acc[R][V];
     for (int r = 0; r < R; ++r)
@@ -154,7 +155,7 @@ __attribute__((target("avx512f"))) void panel_c(const float* p, int k, const flo
         wv[v] = _mm512_load_ps(pk + 16 * v);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * k + 16 * c + j]);
+        const __m512 xb = _mm512_set1_ps(x[(i * cols + c) * R + r]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xb, acc[r][v]);
       }
     }
@@ -173,7 +174,7 @@ __attribute__((target("avx512f"))) void panel_c(const float* p, int k, const flo
 template <int V>
 void rows_c(const float* p, int k, const float* x, int rows, float* y, int n_out, const float* stop) {
   for (int m = 0; m < rows; m += 8) {
-    const float* xx = x + static_cast<size_t>(m) * k;
+    const float* xx = x + static_cast<size_t>(m) * k;  // regrouped by product_c
     float* yy = y + static_cast<size_t>(m) * n_out;
     switch (std::min(8, rows - m)) {
       case 8: panel_c<8, V>(p, k, xx, yy, n_out, stop); break;
@@ -189,14 +190,24 @@ void rows_c(const float* p, int k, const float* x, int rows, float* y, int n_out
 }
 
 void product_c(const float* packed, int v, int n_out, int k, const float* x, int rows, float* y, int tid, int nt) {
-  const int width = 16 * v, panels = n_out / width, per = (panels + nt - 1) / nt;
+  const int width = 16 * v, panels = n_out / width, per = (panels + nt - 1) / nt, cols = k / 16;
   const int q0 = tid * per, q1 = std::min(panels, q0 + per);
   const float* stop = packed + static_cast<size_t>(q1) * k * width;
+  // x regrouped once a call as panel_c reads it: a group's R rows of a column side by side
+  static thread_local std::vector<float> xt;
+  xt.resize(static_cast<size_t>(rows) * k);
+  for (int m = 0; m < rows; m += 8) {
+    const int r_group = std::min(8, rows - m);
+    for (int r = 0; r < r_group; ++r)
+      for (int i = 0; i < 16; ++i)
+        for (int c = 0; c < cols; ++c)
+          xt[static_cast<size_t>(m) * k + (i * cols + c) * r_group + r] = x[static_cast<size_t>(m + r) * k + 16 * c + kLeaf[i]];
+  }
   for (int q = q0; q < q1; ++q) {
     const float* p = packed + static_cast<size_t>(q) * k * width;
-    if (v == 2) rows_c<2>(p, k, x, rows, y + q * width, n_out, stop);
-    else if (v == 4) rows_c<4>(p, k, x, rows, y + q * width, n_out, stop);
-    else rows_c<3>(p, k, x, rows, y + q * width, n_out, stop);
+    if (v == 2) rows_c<2>(p, k, xt.data(), rows, y + q * width, n_out, stop);
+    else if (v == 4) rows_c<4>(p, k, xt.data(), rows, y + q * width, n_out, stop);
+    else rows_c<3>(p, k, xt.data(), rows, y + q * width, n_out, stop);
   }
 }
 
