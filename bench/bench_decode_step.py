@@ -24,7 +24,6 @@ Each figure is the median of `repeats` forwards, the two paths interleaved. Writ
 model, threads, the measured read bandwidth, the commit and the load average with them.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import commit, read_bandwidth_gbs  # noqa: E402
+from bench_linear import commit, read_bandwidth_gbs, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_step.json"
 QUERIES = (1, 2, 4, 8, 16)
@@ -140,7 +139,6 @@ def main():
         raise SystemExit(f"--repeats {args.repeats}: expected >= 1")
 
     from megatron_specdec import distributed
-    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
@@ -211,8 +209,7 @@ def main():
         **({} if draft is None else {"draft": {"checkpoint": args.draft, **draft}}),
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(report, indent=1) + "\n")
+    write_report(out, report)
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; read {bandwidth:.1f} GB/s, "
           f"{report['weight_mb']} MB of weights: bound {bound_ms:.1f} ms a step")

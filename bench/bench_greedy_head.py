@@ -15,7 +15,6 @@ Writes the CPU model, threads, the skinny op's ISA path, the commit, the date an
 average with the medians.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import commit  # noqa: E402
+from bench_linear import commit, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "greedy_head.json"
 
@@ -42,7 +41,6 @@ def main():
                          f"rows in 1..{INVARIANT_ROWS}")
 
     from megatron_specdec import distributed
-    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
     from megatron_specdec.loading.hf_conversion import model_from_hf
     from megatron_specdec.models.default_model import default_model_dir
@@ -81,8 +79,7 @@ def main():
         "ms": {path: {str(r): round(ms, 3) for r, ms in by_r.items()} for path, by_r in median.items()},
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(report, indent=1) + "\n")
+    write_report(out, report)
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads; output layer "
           f"{weight.shape[0]} x {weight.shape[1]}")

@@ -66,6 +66,15 @@ def commit() -> str:
         return "unknown"
 
 
+def write_report(out: Path, report: dict, indent: int = 1):
+    """A bench's JSON report at `out` (its folder made), written to a temporary file and
+    renamed."""
+    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(report, indent=indent) + "\n")
+
+
 def describe_machine() -> dict:
     """What every speed figure of the project names: CPU, flags, threads, torch, commit."""
     return {**machine(), "read_bandwidth_gb_s": read_bandwidth_gbs(), "commit": commit(),
@@ -73,7 +82,6 @@ def describe_machine() -> dict:
 
 
 def main():
-    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
 
     setup_logging()  # quiet logs: benign library warnings off
@@ -114,8 +122,7 @@ def main():
     report = {"machine": about, "what": "ms a product x[rows, in] @ W[out, in].T, float32; "
               "of_bound = (weight bytes / read bandwidth) / ms", "results": results}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(report, indent=2))
+    write_report(out, report, indent=2)
     print(f"wrote {out}")
 
 

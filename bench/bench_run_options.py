@@ -14,7 +14,6 @@ falls on all of them alike; each figure the median of `rounds`.
 holds them: the products then read their 16-bit copies (and those copies' panels).
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_linear import describe_machine  # noqa: E402
+from bench_linear import describe_machine, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "run_options.json"
 QUERIES = (1, 8)
@@ -33,7 +32,6 @@ CONTEXT = 128
 
 def main():
     from megatron_specdec import distributed
-    from megatron_specdec.checkpointing.checkpoint import write_text_atomic
     from megatron_specdec.cli.common import setup_logging
     from megatron_specdec.inference.generation import StageRunner
     from megatron_specdec.loading.hf_conversion import model_from_hf
@@ -94,8 +92,7 @@ def main():
         "eight_over_one": {o: round(by_q[8] / by_q[1], 3) for o, by_q in median.items()},
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(report, indent=1) + "\n")
+    write_report(out, report)
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads, read "
           f"{m['read_bandwidth_gb_s']:.1f} GB/s, weights {report['weights']}")
