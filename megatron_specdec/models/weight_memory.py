@@ -170,20 +170,32 @@ def panel_width() -> int:
     return torch.ops.megatron_specdec.skinny_panel_width() if op_available("skinny_pack") else 0
 
 
+def panels_take(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s shape takes panels: out-features a multiple of panel_width(),
+    in-features of 16."""
+    width = panel_width()
+    return (width > 0 and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.shape[0] % width == 0 and weight.shape[1] % 16 == 0)
+
+
+def room_for_panels(weights) -> bool:
+    """Whether panel copies of all of `weights` leave as much memory available again (checked
+    before any is made; warns once where not)."""
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return _room_for(nbytes, [len(weights), "weights"])
+
+
 def panel_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """`weight` (a decoding product's weight as `streamed` gives it) repacked as the skinny op's
-    panels on huge pages, or None where its shape takes none (out-features a multiple of
-    panel_width(), in-features of 16) or the memory has no room. Made once per weight, and again
-    after its storage or values change."""
+    panels on huge pages, or None where its shape takes none (panels_take). Made once per
+    weight, and again after its storage or values change; the caller checks the memory first
+    (room_for_panels)."""
     found = _panels.get(id(weight))
     key = (weight.data_ptr(), weight._version)
     if found is not None and found[0]() is weight and found[1] == key:
         return found[2]
-    width = panel_width()
     copy = None
-    if (width and weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % width == 0
-            and weight.shape[1] % 16 == 0
-            and _room_for(weight.numel() * weight.element_size(), weight.shape)):
+    if panels_take(weight):
         copy = huge_page_empty(weight.numel(), weight.dtype).view(weight.shape)
         with torch.no_grad():
             copy.copy_(torch.ops.megatron_specdec.skinny_pack(weight))

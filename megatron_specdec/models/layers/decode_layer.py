@@ -44,6 +44,8 @@ from megatron_specdec.models.weight_memory import (
     drop_panel_copies,
     panel_copy,
     panel_width,
+    panels_take,
+    room_for_panels,
     streamed,
 )
 
@@ -287,12 +289,13 @@ def with_panels(weights, schedules) -> list:
 
 
 def panels_fit(weights) -> bool:
-    """Whether every product of a run can read panels: each has a panel copy (its shape, the
-    memory) and fc1's gate and up halves are whole panels each (the op splits them alike)."""
+    """Whether every product of a run can read panels: each shape takes them, fc1's gate and up
+    halves are whole panels each (the op splits them alike), and the memory has room for the
+    copies. Nothing is copied here: the copies are made as a call reads them (with_panels)."""
     width = panel_width()
     products = run_products(weights)
     return (width > 0 and all(w.shape[0] // 2 % width == 0 for w in products[2::4])
-            and all(panel_copy(w) is not None for w in products))
+            and all(panels_take(w) for w in products) and room_for_panels(products))
 
 
 def run_schedules(layers, rows: int, weights, call) -> list:
@@ -304,8 +307,9 @@ def run_schedules(layers, rows: int, weights, call) -> list:
     at one row: 14.9 ms with the shapes' own, 12.8 ms with the one-row block for every product;
     bench/results/decode_step_zen5_run_choice_26291ec.json). A prefill (more rows than
     INVARIANT_ROWS) keeps the shapes' own. Where the products fit panels (panels_fit), one more
-    option reads them all from their panel copies, which are freed again when it is not the
-    choice."""
+    option reads them all from their panel copies, made as a call first reads them: a timing
+    that does not choose them frees them again (nothing else does, so a run gathered for each
+    new cache neither repacks nor drops what another row bucket took)."""
     per_shape = [schedule for layer in layers for schedule in layer.schedules(rows)]
     if rows > INVARIANT_ROWS:
         return per_shape
@@ -314,7 +318,10 @@ def run_schedules(layers, rows: int, weights, call) -> list:
     if panels_fit(weights):
         options["skinny_panel"] = [PANEL_SCHEDULE] * len(per_shape)
 
+    measured = []
+
     def measure() -> dict:
+        measured.append(True)
         best = dict.fromkeys(options, math.inf)
         start = time.perf_counter()
         for done in range(1, RUN_ROUNDS + 1):
@@ -327,8 +334,8 @@ def run_schedules(layers, rows: int, weights, call) -> list:
         return best
 
     chosen = options.get(run_choice(run_key(weights), rows, tuple(options), measure), per_shape)
-    if PANEL_SCHEDULE not in chosen:
-        drop_panel_copies(run_products(weights))
+    if measured and PANEL_SCHEDULE not in chosen:
+        drop_panel_copies(run_products(weights))  # made for the timing only
     return chosen
 
 
