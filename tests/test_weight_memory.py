@@ -69,7 +69,7 @@ def test_no_narrow_copy_past_the_first_values_or_the_memory(monkeypatch, caplog)
     late[63, 127] = 1.0 + 2.0 ** -20
     assert weight_memory.narrow_copy(late) is None
     monkeypatch.setattr(weight_memory, "available_bytes", lambda: 3 * 64 * 128)
-    monkeypatch.setattr(weight_memory, "_warned_memory", False)
+    monkeypatch.setattr(weight_memory, "_warned_memory", set())
     tight = torch.randn(64, 128).bfloat16().float()
     with caplog.at_level("WARNING", logger=weight_memory.__name__):
         assert weight_memory.narrow_copy(tight) is None

@@ -92,7 +92,8 @@ def place_weights(module: torch.nn.Module):
 # id -> (weak reference, (data pointer, version), copy or None) of each float32 weight asked
 # for a narrow copy; keyed by id, as tensors compare elementwise.
 _narrow = {}
-_warned_memory = False
+# The copies whose memory warning was given (once each).
+_warned_memory = set()
 
 
 def available_bytes() -> Optional[int]:
@@ -107,18 +108,17 @@ def available_bytes() -> Optional[int]:
     return None
 
 
-def _room_for(nbytes: int, shape) -> bool:
+def _room_for(nbytes: int, missing: str, fallback: str) -> bool:
     """Whether a copy of nbytes leaves at least as much available memory again (a float32
-    8B base on a CPU would otherwise grow by half); warns once where it does not."""
-    global _warned_memory
+    8B base on a CPU would otherwise grow by half); where it does not, warns once per kind of
+    copy that `missing` is not made and what is read instead (`fallback`)."""
     available = available_bytes()
     if available is None or 2 * nbytes <= available:
         return True
-    if not _warned_memory:
-        _warned_memory = True
-        log.warning("no 16-bit copy of a %s weight (%.0f MB, %.0f MB of memory available): "
-                    "such weights are read in float32", list(shape), nbytes / 1e6,
-                    available / 1e6)
+    if fallback not in _warned_memory:
+        _warned_memory.add(fallback)
+        log.warning("%s (%.0f MB, %.0f MB of memory available): %s", missing, nbytes / 1e6,
+                    available / 1e6, fallback)
     return False
 
 
@@ -139,7 +139,9 @@ def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         for dtype in (torch.bfloat16, torch.float16):
             if not torch.equal(head.to(dtype).float(), head):
                 continue  # a weight of float32 values shows it in its first ones
-            if not _room_for(weight.numel() * dtype.itemsize, weight.shape):
+            if not _room_for(weight.numel() * dtype.itemsize,
+                             f"no 16-bit copy of a {list(weight.shape)} weight",
+                             "such weights are read in float32"):
                 break  # checked before the conversion, which needs that memory too
             narrow = weight.to(dtype)
             if torch.equal(narrow.float(), weight):
@@ -182,7 +184,8 @@ def room_for_panels(weights) -> bool:
     """Whether panel copies of all of `weights` leave as much memory available again (checked
     before any is made; warns once where not)."""
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    return _room_for(nbytes, [len(weights), "weights"])
+    return _room_for(nbytes, f"no panel copies of a run's {len(weights)} product weights",
+                     "the run reads its weights as stored")
 
 
 def panel_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
