@@ -89,9 +89,10 @@ def place_weights(module: torch.nn.Module):
               type(module).__name__, time.perf_counter() - started)
 
 
-# id -> (weak reference, (data pointer, version), copy or None) of each float32 weight asked
-# for a narrow copy; keyed by id, as tensors compare elementwise.
+# id -> (weak reference, (data pointer, version), copy or None) of each weight asked for a
+# narrow copy, and for a panel copy (_per_weight).
 _narrow = {}
+_panels = {}
 # The copies whose memory warning was given (once each).
 _warned_memory = set()
 
@@ -122,15 +123,28 @@ def _room_for(nbytes: int, missing: str, fallback: str) -> bool:
     return False
 
 
-def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """A bfloat16, else float16, copy of the float32 CPU matrix `weight` on huge pages when
-    each of its values is exactly a value of that type and the memory has room (None
-    otherwise). Checked once per weight, and again after its storage or values change
-    (placement, a training step)."""
-    found = _narrow.get(id(weight))  # the decoding layers ask ~120 times a SmolLM2 step
+def _per_weight(table: dict, weight: torch.Tensor, make):
+    """make(weight), made once per weight and kept in `table` until the weight's storage or
+    values change (placement, a training step) or it is freed; keyed by id, as tensors compare
+    elementwise (the decoding layers ask ~120 times a SmolLM2 step)."""
+    found = table.get(id(weight))
     key = (weight.data_ptr(), weight._version)
     if found is not None and found[0]() is weight and found[1] == key:
         return found[2]
+    made = make(weight)
+    number = id(weight)
+    table[number] = (weakref.ref(weight, lambda _: table.pop(number, None)), key, made)
+    return made
+
+
+def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A bfloat16, else float16, copy of the float32 CPU matrix `weight` on huge pages when
+    each of its values is exactly a value of that type and the memory has room (None
+    otherwise). Checked once per weight, and again after its storage or values change."""
+    return _per_weight(_narrow, weight, _narrowed)
+
+
+def _narrowed(weight: torch.Tensor) -> Optional[torch.Tensor]:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     copy = None
@@ -148,8 +162,6 @@ def narrow_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
                 copy = huge_page_empty(weight.numel(), dtype).view(weight.shape)
                 copy.copy_(narrow)
                 break
-    number = id(weight)
-    _narrow[number] = (weakref.ref(weight, lambda _: _narrow.pop(number, None)), key, copy)
     return copy
 
 
@@ -160,10 +172,6 @@ def streamed(weight: torch.Tensor) -> torch.Tensor:
     narrow = narrow_copy(weight)
     return weight if narrow is None else narrow
 
-
-# id -> (weak reference, (data pointer, version), panel copy or None) of each weight asked for
-# panels; keyed by id, as tensors compare elementwise.
-_panels = {}
 
 
 @lru_cache(maxsize=None)
@@ -193,17 +201,15 @@ def panel_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
     panels on huge pages, or None where its shape takes none (panels_take). Made once per
     weight, and again after its storage or values change; the caller checks the memory first
     (room_for_panels)."""
-    found = _panels.get(id(weight))
-    key = (weight.data_ptr(), weight._version)
-    if found is not None and found[0]() is weight and found[1] == key:
-        return found[2]
-    copy = None
-    if panels_take(weight):
-        copy = huge_page_empty(weight.numel(), weight.dtype).view(weight.shape)
-        with torch.no_grad():
-            copy.copy_(torch.ops.megatron_specdec.skinny_pack(weight))
-    number = id(weight)
-    _panels[number] = (weakref.ref(weight, lambda _: _panels.pop(number, None)), key, copy)
+    return _per_weight(_panels, weight, _packed)
+
+
+def _packed(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    if not panels_take(weight):
+        return None
+    copy = huge_page_empty(weight.numel(), weight.dtype).view(weight.shape)
+    with torch.no_grad():
+        copy.copy_(torch.ops.megatron_specdec.skinny_pack(weight))
     return copy
 
 
