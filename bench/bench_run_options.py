@@ -1,13 +1,13 @@
 """A run of decoding layers under each of its options, side by side: the embedded SmolLM2
 (batch 1, 128-token context) decoding forwards of q = 1 and 8 tokens (a plain step, a chain
-verify of 7 drafts) with the decode_layers op pinned (SPECDEC_RUN) to each option of
-decode_layer.run_schedules in turn: `per_shape`, one of the skinny op's schedules for every
+verify of 7 drafts; `--queries` adds others, such as an adaptive policy's 2-4) with the
+decode_layers op pinned (SPECDEC_RUN) to each option of decode_layer.run_schedules in turn: `per_shape`, one of the skinny op's schedules for every
 product, or `skinny_panel` (every product from its panel copy). All options compute the same
 bits; this shows which is fastest here and what an 8-token forward costs in one-token ones.
 Runners interleaved option by option within each round, so that other work on the machine
 falls on all of them alike; each figure the median of `rounds`.
 
-    python bench/bench_run_options.py [--rounds 40] [--bf16-values] \
+    python bench/bench_run_options.py [--rounds 40] [--bf16-values] [--queries 1,2,4,8] \
         [--options per_shape,skinny,skinny_panel] [--out bench/results/run_options.json]
 
 `--bf16-values` first rounds every weight to a bfloat16 value, as a base trained in bf16
@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_linear import describe_machine, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "run_options.json"
-QUERIES = (1, 8)
 CONTEXT = 128
 
 
@@ -44,9 +43,17 @@ def main():
     p.add_argument("--options", default="per_shape,skinny,skinny_row,skinny_panel",
                    help="comma-separated options of the run (decode_layer.run_schedules)")
     p.add_argument("--bf16-values", action="store_true")
+    p.add_argument("--queries", default="1,8",
+                   help="comma-separated tokens a forward (1 and 8 always among them)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     options = args.options.split(",")
+    try:
+        queries = sorted({1, 8, *(int(q) for q in args.queries.split(","))})
+    except ValueError:
+        p.error(f"--queries {args.queries!r}: expected comma-separated integers such as 1,2,4,8")
+    if not 1 <= queries[0] <= queries[-1] <= 16:
+        p.error(f"--queries {args.queries!r}: each must be 1-16 (the decoding op's rows)")
 
     distributed.initialize(1, 1)
     machine = describe_machine()  # read bandwidth and load before the runs
@@ -58,17 +65,17 @@ def main():
                 param.copy_(param.bfloat16().float())
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, base.vocab_size, (1, CONTEXT), generator=g)
-    runners, times = {}, {o: {q: [] for q in QUERIES} for o in options}
+    runners, times = {}, {o: {q: [] for q in queries} for o in options}
     outputs = {}
     try:
         with torch.no_grad():
             for option in options:
                 os.environ[RUN_PIN_ENV] = option  # read as each runner's run is first gathered
-                runners[option] = StageRunner(base, 1, CONTEXT + max(QUERIES) + 1,
+                runners[option] = StageRunner(base, 1, CONTEXT + max(queries) + 1,
                                               base.vocab_size)
                 runners[option].step(prompt, last_only=True)
             for _ in range(args.rounds + 2):  # two warm-up rounds
-                for q in QUERIES:
+                for q in queries:
                     tokens = torch.randint(0, base.vocab_size, (1, q), generator=g)
                     for option, runner in runners.items():
                         os.environ[RUN_PIN_ENV] = option
@@ -96,10 +103,11 @@ def main():
     m = report["machine"]
     print(f"{m['cpu']} ({', '.join(m['flags'])}), {m['threads']} threads, read "
           f"{m['read_bandwidth_gb_s']:.1f} GB/s, weights {report['weights']}")
-    print("| option | 1 token ms | 8 tokens ms | 8 / 1 |")
-    print("|---|---|---|---|")
+    print("| option | " + " | ".join(f"{q} tokens ms" for q in queries) + " | 8 / 1 |")
+    print("|---|" + "---|" * (len(queries) + 1))
     for o, by_q in median.items():
-        print(f"| {o} | {by_q[1]:.2f} | {by_q[8]:.2f} | {report['eight_over_one'][o]:.2f} |")
+        print(f"| {o} | " + " | ".join(f"{by_q[q]:.2f}" for q in queries)
+              + f" | {report['eight_over_one'][o]:.2f} |")
     print(f"wrote {out}")
 
 
