@@ -27,10 +27,15 @@ hits all of them alike:
 Reports tokens/s, the ratio to transformers greedy and to project greedy, acceptance length
 (tokens per base forward), how many outputs equal the project's greedy output, where a
 speculative run's time goes (drafting, base forwards, the rest), and acceptance length per
-category. Then, on the same prompts: plain greedy throughput at each --batch-sizes (project
-vs transformers, left-padded batches), and sampling at --temperature (transformers, project
-plain, project speculative with the draft and with n-gram). Table on stdout, JSON in
-bench/results/generation.json (plot beside it).
+category. Each row's fraction of the batch-1 bandwidth bound is given twice: against the read
+rate measured once before the runs (`of_bandwidth_bound`), and against the rate sampled right
+before each of its prompts (`of_bound_during_run`: the time its tokens would take at the bound
+of each moment over the time they took; vLLM's rows, one process for all of them, take the mean
+of a sample before and after it), because a shared machine's read rate can move twofold from
+minute to minute over an hour's run. Then, on the same prompts: plain greedy throughput at
+each --batch-sizes (project vs transformers, left-padded batches), and sampling at
+--temperature (transformers, project plain, project speculative with the draft and with
+n-gram). Table on stdout, JSON in bench/results/generation.json (plot beside it).
 
     python bench/bench_generation.py --data data/sources/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
@@ -52,7 +57,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_linear import describe_machine
+from bench_linear import ReadProbe, describe_machine
 
 from megatron_specdec import distributed
 
@@ -309,13 +314,17 @@ def main():
     check_methods(args.methods, set(runs) | set(vllm_configs(args)))
     runs = pick(runs, args.methods)
     about = describe_machine()
-    bound = about["read_bandwidth_gb_s"] * 1e9 / read_bytes_per_token(model)
+    read_bytes = read_bytes_per_token(model)
+    bound = about["read_bandwidth_gb_s"] * 1e9 / read_bytes
+    probe = ReadProbe()
     for run in runs.values():  # first use: the kernel choice measures each new weight shape
         run(prompts[0][1][:16])
     load_before = os.getloadavg()[0]
-    stats = {name: {"tokens": 0, "outputs": [], "results": [], "times": []} for name in runs}
+    stats = {name: {"tokens": 0, "outputs": [], "results": [], "times": [], "read_gb_s": []}
+             for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
         for name in list(runs) if number % 2 else reversed(list(runs)):
+            stats[name]["read_gb_s"].append(probe(3))
             start = time.perf_counter()
             tokens, result = runs[name](ids)
             stats[name]["times"].append(time.perf_counter() - start)
@@ -334,13 +343,17 @@ def main():
                "vs_project_greedy": rate / own_rate,
                "identical_to_project_greedy": sum(
                    a == b for a, b in zip(s["outputs"], base["outputs"])),
+               "of_bound_during_run": sum(
+                   len(out) * read_bytes / (gbs * 1e9)
+                   for out, gbs in zip(s["outputs"], s["read_gb_s"])) / sum(s["times"]),
                "vs_project_greedy_by_category": speed_by_category(prompts, s, base),
                "vs_transformers_greedy_by_category": speed_by_category(
                    prompts, s, stats["transformers greedy"]),
                # Prompt by prompt, in the order they ran: drift over a long run shows here.
                "per_prompt": [{"category": c, "prompt_tokens": len(ids), "new_tokens": len(out),
-                               "seconds": round(t, 4)}
-                              for (c, ids), out, t in zip(prompts, s["outputs"], s["times"])]}
+                               "seconds": round(t, 4), "read_gb_s_before": round(gbs, 1)}
+                              for (c, ids), out, t, gbs in zip(prompts, s["outputs"], s["times"],
+                                                               s["read_gb_s"])]}
         for entry, r in zip(row["per_prompt"], s["results"]):
             if r is not None:
                 entry.update(rounds=len(r.accepted), drafted=sum(r.drafted),
@@ -369,10 +382,15 @@ def main():
     if ASSISTED in runs:  # tokens per target forward (each verifies a batch of candidates)
         report[ASSISTED]["acceptance_length"] = (stats[ASSISTED]["tokens"]
                                                  / type(runs[ASSISTED].target).calls)
+    engine_read = probe(3)
     engine = vllm_rows(served_base, prompts, eos, base["outputs"], hf_rate, own_rate, args)
+    engine_read = (engine_read + probe(3)) / 2
+    for row in engine.values():
+        row["of_bound_during_run"] = row["tokens_per_s"] * read_bytes / (engine_read * 1e9)
     report.update(engine)
     for row in report.values():
         row["of_bandwidth_bound"] = row["tokens_per_s"] / bound
+    sampled_reads = sorted(gbs for s in stats.values() for gbs in s["read_gb_s"])
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args, others)
     result = {
@@ -380,6 +398,11 @@ def main():
                                 for o, p in zip(others, args.also_model)),
         "machine": about,
         "bandwidth_bound_tokens_per_s": bound,
+        # The read rate sampled before each method's run on each prompt (ReadProbe, best of 3).
+        "read_gb_s_during_run": {"min": sampled_reads[0],
+                                 "median": sampled_reads[len(sampled_reads) // 2],
+                                 "max": sampled_reads[-1], "samples": len(sampled_reads),
+                                 "around_vllm": engine_read if engine else None},
         "layout": "TP=1 PP=1, batch 1, float32, greedy",
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "prompts": f"{args.data}: every {args.every}th first turn, {len(prompts)} prompts",
@@ -396,12 +419,15 @@ def main():
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, commit "
           f"{about['commit']}; read bandwidth {about['read_bandwidth_gb_s']:.1f} GB/s: batch-1 "
-          f"bound {bound:.1f} tokens/s")
-    print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'bound':>7}{'AL':>6}{'drafted':>8}"
+          f"bound {bound:.1f} tokens/s; sampled during the run {sampled_reads[0]:.1f}-"
+          f"{sampled_reads[-1]:.1f} GB/s (median {sampled_reads[len(sampled_reads) // 2]:.1f})")
+    print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'bound':>7}{'run':>6}{'AL':>6}"
+          f"{'drafted':>8}"
           f"{'same':>6}  time: draft/base/rest")
     for name, row in report.items():
         line = (f"{name:36}{row['tokens_per_s']:>8.2f}{row['vs_transformers_greedy']:>7.2f}"
-                f"{row['vs_project_greedy']:>8.2f}{row['of_bandwidth_bound']:>7.2f}")
+                f"{row['vs_project_greedy']:>8.2f}{row['of_bandwidth_bound']:>7.2f}"
+                f"{row['of_bound_during_run']:>6.2f}")
         if "time_share" in row:
             share = row["time_share"]
             line += (f"{row['acceptance_length']:>6.2f}{row['mean_drafted']:>8.2f}"

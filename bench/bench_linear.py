@@ -39,19 +39,30 @@ SHAPES = {
 }
 
 
-def read_bandwidth_gbs(mib: int = 256, repeats: int = 7) -> float:
-    """GB/s of a sum over `mib` MiB of float32 on torch's threads (best of `repeats`): the
-    streaming read a batch-1 decode step is bound by, on memory placed as the decoding
-    weights are (models/weight_memory.py: huge pages where the kernel grants them)."""
-    from megatron_specdec.models.weight_memory import huge_page_empty
+class ReadProbe:
+    """The machine's streaming read rate, sampled as often as a run asks: GB/s of a sum over
+    `mib` MiB of float32 on torch's threads (the best of `repeats`), the read a batch-1 decode
+    step is bound by, on memory placed as the decoding weights are (models/weight_memory.py:
+    huge pages where the kernel grants them). The buffer is kept between samples; a shared
+    machine's rate can move twofold from minute to minute."""
 
-    data = huge_page_empty(mib * (1 << 20) // 4).fill_(1.0)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
+    def __init__(self, mib: int = 256):
+        from megatron_specdec.models.weight_memory import huge_page_empty
+
+        self.data = huge_page_empty(mib * (1 << 20) // 4).fill_(1.0)
+
+    def __call__(self, repeats: int = 7) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.data.sum()
+            best = min(best, time.perf_counter() - start)
+        return self.data.numel() * 4 / best / 1e9
+
+
+def read_bandwidth_gbs(mib: int = 256, repeats: int = 7) -> float:
+    """One sample of ReadProbe's read rate."""
+    return ReadProbe(mib)(repeats)
 
 
 def commit() -> str:
