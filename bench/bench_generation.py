@@ -29,9 +29,9 @@ Reports tokens/s, the ratio to transformers greedy and to project greedy, accept
 speculative run's time goes (drafting, base forwards, the rest), and acceptance length per
 category. Each row's fraction of the batch-1 bandwidth bound is given twice: against the read
 rate measured once before the runs (`of_bandwidth_bound`), and against the rate sampled right
-before each of its prompts (`of_bound_during_run`: the time its tokens would take at the bound
-of each moment over the time they took; vLLM's rows, one process for all of them, take the mean
-of a sample before and after it), because a shared machine's read rate can move twofold from
+before and after each of its prompts (`of_bound_during_run`: the time its tokens would take at
+the bound of the two samples' mean over the time they took; vLLM's rows, one process for all
+of them, take the mean of a sample before and after it), because a shared machine's read rate can move twofold from
 minute to minute over an hour's run. Then, on the same prompts: plain greedy throughput at
 each --batch-sizes (project vs transformers, left-padded batches), and sampling at
 --temperature (transformers, project plain, project speculative with the draft and with
@@ -324,10 +324,11 @@ def main():
              for name in runs}
     for number, (_, ids) in enumerate(prompts, 1):
         for name in list(runs) if number % 2 else reversed(list(runs)):
-            stats[name]["read_gb_s"].append(probe(3))
+            before = probe(3)
             start = time.perf_counter()
             tokens, result = runs[name](ids)
             stats[name]["times"].append(time.perf_counter() - start)
+            stats[name]["read_gb_s"].append((before, probe(3)))
             stats[name]["tokens"] += len(tokens)
             stats[name]["outputs"].append(tokens)
             stats[name]["results"].append(result)
@@ -344,14 +345,15 @@ def main():
                "identical_to_project_greedy": sum(
                    a == b for a, b in zip(s["outputs"], base["outputs"])),
                "of_bound_during_run": sum(
-                   len(out) * read_bytes / (gbs * 1e9)
+                   len(out) * read_bytes / (sum(gbs) / 2 * 1e9)
                    for out, gbs in zip(s["outputs"], s["read_gb_s"])) / sum(s["times"]),
                "vs_project_greedy_by_category": speed_by_category(prompts, s, base),
                "vs_transformers_greedy_by_category": speed_by_category(
                    prompts, s, stats["transformers greedy"]),
                # Prompt by prompt, in the order they ran: drift over a long run shows here.
                "per_prompt": [{"category": c, "prompt_tokens": len(ids), "new_tokens": len(out),
-                               "seconds": round(t, 4), "read_gb_s_before": round(gbs, 1)}
+                               "seconds": round(t, 4), "read_gb_s_before": round(gbs[0], 1),
+                               "read_gb_s_after": round(gbs[1], 1)}
                               for (c, ids), out, t, gbs in zip(prompts, s["outputs"], s["times"],
                                                                s["read_gb_s"])]}
         for entry, r in zip(row["per_prompt"], s["results"]):
@@ -390,7 +392,7 @@ def main():
     report.update(engine)
     for row in report.values():
         row["of_bandwidth_bound"] = row["tokens_per_s"] / bound
-    sampled_reads = sorted(gbs for s in stats.values() for gbs in s["read_gb_s"])
+    sampled_reads = sorted(gbs for s in stats.values() for pair in s["read_gb_s"] for gbs in pair)
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args, others)
     result = {
@@ -398,7 +400,8 @@ def main():
                                 for o, p in zip(others, args.also_model)),
         "machine": about,
         "bandwidth_bound_tokens_per_s": bound,
-        # The read rate sampled before each method's run on each prompt (ReadProbe, best of 3).
+        # The read rate sampled before and after each method's run on each prompt (ReadProbe,
+        # best of 3).
         "read_gb_s_during_run": {"min": sampled_reads[0],
                                  "median": sampled_reads[len(sampled_reads) // 2],
                                  "max": sampled_reads[-1], "samples": len(sampled_reads),
