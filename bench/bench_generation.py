@@ -31,11 +31,11 @@ category. Each row's fraction of the batch-1 bandwidth bound is given twice: aga
 rate measured once before the runs (`of_bandwidth_bound`), and against the rate sampled right
 before and after each of its prompts (`of_bound_during_run`: the time its tokens would take at
 the bound of the two samples' mean over the time they took; vLLM's rows, one process for all
-of them, take the mean of a sample before and after it), because a shared machine's read rate can move twofold from
-minute to minute over an hour's run. Then, on the same prompts: plain greedy throughput at
-each --batch-sizes (project vs transformers, left-padded batches), and sampling at
---temperature (transformers, project plain, project speculative with the draft and with
-n-gram). Table on stdout, JSON in bench/results/generation.json (plot beside it).
+of them, take the mean of a sample before and after it), because a shared machine's read rate
+can move twofold from minute to minute over an hour's run. Then, on the same prompts: plain
+greedy throughput at each --batch-sizes (project vs transformers, left-padded batches), and
+sampling at --temperature (transformers, project plain, project speculative with the draft and
+with n-gram). Table on stdout, JSON in bench/results/generation.json (plot beside it).
 
     python bench/bench_generation.py --data data/sources/mt_bench.jsonl [--num-prompts 16]
         [--max-new-tokens 128] [--model CKPT | --algo eagle3|medusa] [--num-draft-tokens K]
@@ -393,6 +393,7 @@ def main():
     for row in report.values():
         row["of_bandwidth_bound"] = row["tokens_per_s"] / bound
     sampled_reads = sorted(gbs for s in stats.values() for pair in s["read_gb_s"] for gbs in pair)
+    median_read = sampled_reads[len(sampled_reads) // 2]
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args, others)
     result = {
@@ -403,7 +404,7 @@ def main():
         # The read rate sampled before and after each method's run on each prompt (ReadProbe,
         # best of 3).
         "read_gb_s_during_run": {"min": sampled_reads[0],
-                                 "median": sampled_reads[len(sampled_reads) // 2],
+                                 "median": median_read,
                                  "max": sampled_reads[-1], "samples": len(sampled_reads),
                                  "around_vllm": engine_read if engine else None},
         "layout": "TP=1 PP=1, batch 1, float32, greedy",
@@ -423,7 +424,7 @@ def main():
     print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, commit "
           f"{about['commit']}; read bandwidth {about['read_bandwidth_gb_s']:.1f} GB/s: batch-1 "
           f"bound {bound:.1f} tokens/s; sampled during the run {sampled_reads[0]:.1f}-"
-          f"{sampled_reads[-1]:.1f} GB/s (median {sampled_reads[len(sampled_reads) // 2]:.1f})")
+          f"{sampled_reads[-1]:.1f} GB/s (median {median_read:.1f})")
     print(f"{'method':36}{'tok/s':>8}{'vs HF':>7}{'vs own':>8}{'bound':>7}{'run':>6}{'AL':>6}"
           f"{'drafted':>8}"
           f"{'same':>6}  time: draft/base/rest")

@@ -1,8 +1,9 @@
 """A run of decoding layers under each of its options, side by side: the embedded SmolLM2
 (batch 1, 128-token context) decoding forwards of q = 1 and 8 tokens (a plain step, a chain
 verify of 7 drafts; `--queries` adds others, such as an adaptive policy's 2-4) with the
-decode_layers op pinned (SPECDEC_RUN) to each option of decode_layer.run_schedules in turn: `per_shape`, one of the skinny op's schedules for every
-product, or `skinny_panel` (every product from its panel copy). All options compute the same
+decode_layers op pinned (SPECDEC_RUN) to each option of decode_layer.run_schedules in turn:
+`per_shape`, one of the skinny op's schedules for every product, or `skinny_panel` (every
+product from its panel copy). All options compute the same
 bits; this shows which is fastest here and what an 8-token forward costs in one-token ones.
 Runners interleaved option by option within each round, so that other work on the machine
 falls on all of them alike; each figure the median of `rounds`.
