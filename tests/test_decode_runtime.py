@@ -331,6 +331,65 @@ def test_adaptive_threshold_is_the_measured_cost_ratio(monkeypatch):
     assert slowest.current_threshold() == draft_policy.THRESHOLD_RANGE[1]
 
 
+def test_first_use_work_is_counted_once_per_thing(choice_cache):
+    """Each piece of one-time work (a kernel choice, a weight's copy, a greedy head's screen)
+    counts once, when it is done; asked again, it is not done again."""
+    from megatron_specdec.models import first_use
+    from megatron_specdec.models.layers.greedy_head import _vector_op, greedy_head
+    from megatron_specdec.models.weight_memory import narrow_copy
+
+    linear_kernels, _ = choice_cache
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=g)
+    asks = [lambda: narrow_copy(weight), lambda: linear_kernels.product(weight, 1)]
+    if _vector_op():  # else no head is built: the logits path runs
+        asks.append(lambda: greedy_head(weight, 96, 1))  # after the product it takes
+    for ask in asks:
+        before = first_use.count()
+        ask()
+        assert first_use.count() == before + 1
+        ask()
+        assert first_use.count() == before + 1
+
+
+def test_a_call_that_did_first_use_work_is_no_cost_sample(model, monkeypatch):
+    """A verify forward or a draft step that did one-time work (models/first_use.py) is not
+    timed into the policy's costs, the next one of the same kind is: the forward that first
+    read a run's panel copies once took 1.3 s against ~18 ms."""
+    from megatron_specdec.inference import base_runner, draft_policy
+    from megatron_specdec.inference.draft_policy import DraftPolicy, StepCosts, draft_chain
+    from megatron_specdec.models import first_use
+
+    costs = StepCosts()
+    monkeypatch.setattr(base_runner, "COSTS", costs)
+    monkeypatch.setattr(draft_policy, "COSTS", costs)
+    runner = base_runner.BaseRunner(model, 1, 64)
+    runner.step(torch.randint(0, HF["vocab_size"], (1, 8)), last_only=True)  # the prefill
+    step, calls = runner.stage.step, []
+
+    def first_call_copies(*args, **kwargs):  # the first forward does one-time work
+        calls.append(1)
+        if len(calls) == 1:
+            first_use.note()
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(runner.stage, "step", first_call_copies)
+    for n in range(2):
+        runner.step(torch.randint(0, HF["vocab_size"], (1, 3)))
+        assert costs.forwards == n and len(costs.base.get(3, draft_policy.RecentCost()).times) == n
+    policy = DraftPolicy.named("adaptive", 4)
+    advanced = []
+
+    def advance(tokens):  # the first draft step does one-time work
+        advanced.append(1)
+        if len(advanced) == 1:
+            first_use.note()
+
+    pick = (lambda logits: (torch.ones(1), lambda: (torch.zeros(1, dtype=torch.long), None)))
+    draft_chain(3, policy, None, advance, pick)
+    assert len(advanced) == 2 and len(policy.draft_cost.times) == 1
+
+
 def test_a_burst_of_other_work_does_not_stop_drafting_for_good(monkeypatch):
     """A verify width timed during a burst of other work raises the measured threshold, and
     the policy then stops verifying that wide: that timing is forgotten after max_age base

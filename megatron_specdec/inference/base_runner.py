@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megatron_specdec.inference.draft_policy import COSTS
 from megatron_specdec.inference.generation import StageRunner
+from megatron_specdec.models import first_use
 
 
 @dataclass
@@ -93,10 +94,12 @@ class BaseRunner:
         StageRunner.step); the last stage gets a BaseOutput (with `last_only`, the logits of
         the last position only: a prefill needs no others; with `greedy`, argmax ids instead
         of logits)."""
-        started = time.perf_counter()
+        started, work = time.perf_counter(), first_use.count()
         logits = self.stage.step(tokens, last_only=last_only, positions=positions,
                                  attention_mask=attention_mask, counts=counts, greedy=greedy)
-        if not last_only:  # a prefill is no verify: its cost is not the policy's
+        # A prefill is no verify, nor is a forward that did first-use work a verify's cost:
+        # neither is the policy's.
+        if not last_only and first_use.count() == work:
             COSTS.record_base(tokens.shape[1], time.perf_counter() - started)
         captured = self.stage.captured
         last_rank = self.stage.last_rank

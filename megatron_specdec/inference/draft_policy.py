@@ -27,7 +27,8 @@ cost no draft step (n-gram: its gate is on its acceptance-rate estimate), the th
 the configured one.
 
 Each cost is the fastest of its recent timings (`RecentCost`): other work on the machine, and
-a width's first forwards (allocations), only ever add time. And each timing is forgotten
+a width's first forwards (allocations), only ever add time. A call that did one-time work
+(models/first_use.py: a kernel choice, a weight copy) is not timed at all. And each timing is forgotten
 `StepCosts.max_age` base forwards after it was taken, because the measurement steers what gets
 measured: a verify width timed slow raises the threshold, the policy then stops drafting that
 far, and no forward of that width comes to correct it. Forgotten widths fall back to the
@@ -42,6 +43,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from megatron_specdec.models import first_use
 
 POLICIES = ("adaptive", "fixed")
 DEFAULT_THRESHOLD = 0.3
@@ -171,10 +174,10 @@ def draft_chain(k: int, policy: Optional[DraftPolicy], logits, advance, pick):
     drafts, extras, chain, counts = [], [], 1.0, 0
     for i in range(k):
         if i:
-            started = time.perf_counter()
+            started, work = time.perf_counter(), first_use.count()
             logits = advance(drafts[-1])
             confidence, take = pick(logits)
-            if policy is not None:
+            if policy is not None and first_use.count() == work:  # a step's cost, nothing more
                 policy.draft_cost.record(time.perf_counter() - started, COSTS.forwards)
         else:
             confidence, take = pick(logits)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from megatron_specdec.acceptance.ops import op_available
+from megatron_specdec.models import first_use
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def _per_weight(table: dict, weight: torch.Tensor, make):
     if found is not None and found[0]() is weight and found[1] == key:
         return found[2]
     made = make(weight)
+    first_use.note()
     number = id(weight)
     table[number] = (weakref.ref(weight, lambda _: table.pop(number, None)), key, made)
     return made

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from megatron_specdec.acceptance.ops import op_available
+from megatron_specdec.models import first_use
 from megatron_specdec.models.layers.linear_kernels import INVARIANT_ROWS, product, skinny_schedule
 from megatron_specdec.models.layers.vocab_parallel import best_of_gathered, gather_over_ranks
 from megatron_specdec.models.weight_memory import huge_page_empty
@@ -119,6 +120,7 @@ def greedy_head(weight: Tensor, rows: int, tokens: int) -> Optional[GreedyHead]:
         number = id(weight)
         found = _heads[number] = (weakref.ref(weight, lambda _: _heads.pop(number, None)), key,
                                   GreedyHead(weight, rows))
+        first_use.note()
     return found[2]
 
 

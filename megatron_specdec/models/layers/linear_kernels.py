@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_specdec.acceptance.ops import op_available
+from megatron_specdec.models import first_use
 from megatron_specdec.models.weight_memory import huge_page_empty
 
 log = logging.getLogger(__name__)
@@ -319,6 +320,7 @@ def product(weight: torch.Tensor, rows: int):
             found = _choice.entry(out_features, in_features, weight.dtype)
             name = found["small" if rows <= INVARIANT_ROWS else "wide"][str(bucket)]
         fn = _products[key] = CANDIDATES[name]
+        first_use.note()
     return fn
 
 
@@ -340,6 +342,7 @@ def run_choice(key: str, rows: int, options: tuple, measure) -> str | None:
     if name is None:
         _choice = _choice or KernelChoice()
         name = _runs[key, bucket] = _choice.run_entry(key, bucket, options, measure)
+        first_use.note()
     return name
 
 
