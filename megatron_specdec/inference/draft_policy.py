@@ -26,13 +26,13 @@ draft_chain: its drafter's own cost). Until both are measured, and for drafters 
 cost no draft step (n-gram: its gate is on its acceptance-rate estimate), the threshold is
 the configured one.
 
-Each cost is the fastest of its recent timings (`RecentCost`): other work on the machine, and
-a width's first forwards (allocations), only ever add time. A call that did one-time work
+Each cost is the fastest of its recent timings (`RecentCost`): other work on the machine, and a
+width's first forwards (allocations), only ever add time. A call that did one-time work
 (models/first_use.py: a kernel choice, a weight copy) is not timed at all. And each timing is
 forgotten `StepCosts.max_age` base forwards after it was taken, because the measurement steers
-what gets measured: a verify width timed slow raises the threshold, the policy then stops drafting that
-far, and no forward of that width comes to correct it. Forgotten widths fall back to the
-configured threshold, which drafts, and so measures them again.
+what gets measured: a verify width timed slow raises the threshold, the policy then stops
+drafting that far, and no forward of that width comes to correct it. Forgotten widths fall back
+to the configured threshold, which drafts, and so measures them again.
 """
 
 import math
