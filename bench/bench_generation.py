@@ -87,16 +87,9 @@ def build(args):
 
 def hf_runner(hf_model, eos, max_new_tokens, **kwargs):
     """tokens of transformers `generate` (greedy, or with the given assistant settings)."""
-    def run(ids):
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                    do_sample=False, eos_token_id=list(eos), pad_token_id=0,
-                                    **kwargs)
-        tokens = out[0, len(ids):].tolist()
-        while tokens and tokens[-1] in eos:  # the project's results exclude the stop token
-            tokens.pop()
-        return tokens, None
-    return run
+    from megatron_specdec.evaluation.transformers_baseline import hf_generate
+
+    return lambda ids: (hf_generate(hf_model, ids, max_new_tokens, eos, **kwargs), None)
 
 
 def load_also(args, model):
@@ -121,12 +114,11 @@ def load_also(args, model):
 
 def methods(args, model, hf_dir, eos, tree, others=()):
     """({name -> run(prompt ids) -> (tokens, GenerationResult or None)}, the HF model)."""
-    from transformers import AutoModelForCausalLM
-
+    from megatron_specdec.evaluation.transformers_baseline import load_transformers
     from megatron_specdec.inference.generator import SpeculativeGenerator
     from megatron_specdec.inference.generation import plain_generate
 
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf_model = load_transformers(hf_dir)
     n = args.max_new_tokens
     runs = {
         "transformers greedy": hf_runner(hf_model, eos, n),
@@ -477,13 +469,12 @@ def vllm_base(args, model_dir):
     the directory a --model checkpoint's base was converted from, else `model_dir`."""
     if args.vllm_base or not args.model:
         return Path(args.vllm_base or model_dir)
-    from megatron_specdec.checkpointing import checkpoint
+    from megatron_specdec.evaluation.transformers_baseline import hf_base_dir
 
-    source = Path(checkpoint.read_meta(args.model)["hf_config"].get("_name_or_path") or "")
-    if not (source / "config.json").is_file():
-        raise SystemExit(f"--model {args.model} records no HF directory of its base that exists "
-                         f"({source}); pass --vllm-base (megatron_to_hf.py writes one)")
-    return source
+    try:
+        return hf_base_dir(args.model, flag="--vllm-base")
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
 
 
 def vllm_rows(model_dir, prompts, eos, greedy_outputs, hf_rate, own_rate, args):

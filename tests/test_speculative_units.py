@@ -193,11 +193,13 @@ from megatron_specdec.loading.speculative import save_speculative
 hf = LlamaConfig(**{dict(HF, vocab_size=49152)!r})
 torch.manual_seed(0)
 base = build_model(hf)
-load_hf_into_model(base, hf, LlamaForCausalLM(hf).state_dict())
+reference = LlamaForCausalLM(hf)
+load_hf_into_model(base, hf, reference.state_dict())
 model = convert(base, "eagle3", {{"draft_vocab_size": 256, "ttt_steps": 3,
                                  "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, hf_config=hf)
 save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.float32, "local"),
                  {str(default_hf_dir)!r})
+reference.save_pretrained({str(tmp_path / 'hf')!r})  # the base in HF form, for --transformers
 """
     subprocess.run([sys.executable, "-c", code], check=True)
     prompts = tmp_path / "prompts.jsonl"
@@ -212,6 +214,7 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
          str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(out),
          "--max-new-tokens", "12", "--batch-size", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "transformers" not in run.stdout
     report = json.loads((out / "acceptance.json").read_text())
     assert report["num_prompts"] == 3 and report["num_draft_tokens"] == 3
     assert report["batch_size"] == 2
@@ -239,6 +242,21 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     assert 1.0 <= tree["overall"]["acceptance_length"] <= 4.0
     assert (tree_out / "acceptance.png").is_file()
 
+    stock_out = tmp_path / "stock"
+    run = subprocess.run(
+        [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
+         str(tmp_path / "ckpt"), "--data", str(prompts), "--out", str(stock_out),
+         "--max-new-tokens", "12", "--transformers", str(tmp_path / "hf")],
+        capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stock = json.loads((stock_out / "acceptance.json").read_text())
+    assert stock["transformers"] == str(tmp_path / "hf")
+    assert stock["speedup_vs_transformers"] == pytest.approx(
+        stock["speculative_tokens_per_s"] / stock["transformers_tokens_per_s"])
+    same, compared = map(int, stock["identical_to_transformers"].split("/"))
+    assert compared == 3 and 0 <= same <= 3
+    assert f"identical to it: {same}/3" in run.stdout
+
     sampled_out = tmp_path / "sampled"
     run = subprocess.run(
         [sys.executable, "-m", "megatron_specdec.cli.validate", "--model",
@@ -263,8 +281,17 @@ save_speculative(model, {str(tmp_path / 'ckpt')!r}, base_meta(hf, base, torch.fl
     for extra, message in ((["--temperature", "-1"], "temperature must be >= 0"),
                            (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
                            (["--acceptance", "typical", "--temperature", "0.7",
-                             "--typical-eps", "1.5"], "typical acceptance eps must lie")):
+                             "--typical-eps", "1.5"], "typical acceptance eps must lie"),
+                           (["--transformers", "--batch-size", "2"],
+                            "--transformers times batch-1 greedy decoding in one process")):
         with pytest.raises(ValueError, match=re.escape(message)):
+            validate.main(["--model", str(tmp_path / "ckpt"), "--data", str(prompts), "--out",
+                           str(out), *extra])
+    # The base's recorded HF directory is empty here (a LlamaConfig made in memory), and a
+    # directory without a model is refused: both name the flag.
+    for extra, message in ((["--transformers"], "pass --transformers DIR"),
+                           (["--transformers", str(tmp_path)], "is not an HF model directory")):
+        with pytest.raises(FileNotFoundError, match=re.escape(message)):
             validate.main(["--model", str(tmp_path / "ckpt"), "--data", str(prompts), "--out",
                            str(out), *extra])
 

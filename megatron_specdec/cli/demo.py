@@ -8,8 +8,8 @@
    (python -m megatron_specdec.cli.validate);
 6. export the draft in the HF layout that vLLM/SGLang/TRT-LLM load (export_draft.py);
 7-8. import the draft shipped in models/ (trained with the full recipe, see its README.md) onto
-   the base and measure it: speculative against plain tokens/s, acceptance length, and
-   speculative == greedy output.
+   the base and measure it: speculative against plain tokens/s and against stock transformers
+   `generate` on the same prompts, acceptance length, and speculative == greedy output.
 
 Each step runs the same command a user would (printed before it runs; the tools' own log lines
 are kept to warnings, so what shows is the commands, their progress bars and their results).
@@ -67,7 +67,8 @@ def _run(number: int, title: str, args: list, timings: dict):
 
 def summary_table(rows) -> str:
     """One line per draft: prompts x tokens, acceptance length, tokens drafted a round,
-    speculative and plain tokens/s, speedup, outputs identical to greedy."""
+    speculative and plain tokens/s, speedup, outputs identical to greedy; then transformers
+    `generate` where it was timed beside them."""
     header = (f"{'draft':<26}{'prompts':>8}{'tokens':>7}{'AL':>6}{'drafted':>8}"
               f"{'spec tok/s':>11}{'plain tok/s':>12}{'speedup':>8}{'identical':>10}")
     lines = [header, "-" * len(header)]
@@ -77,6 +78,14 @@ def summary_table(rows) -> str:
                      f"{r['overall']['mean_drafted']:>8.2f}"
                      f"{r['speculative_tokens_per_s']:>11.1f}{r['greedy_tokens_per_s']:>12.1f}"
                      f"{r['speedup']:>7.2f}x{r['identical_to_greedy']:>10}")
+    for name, r in rows:
+        if "transformers_tokens_per_s" in r:
+            theirs = r["transformers_tokens_per_s"]
+            lines.append(f"\n{name}, against stock transformers generate (greedy, batch 1) "
+                         f"on the same prompts, {theirs:.1f} tokens/s: speculative "
+                         f"{r['speedup_vs_transformers']:.2f}x, plain greedy "
+                         f"{r['greedy_tokens_per_s'] / theirs:.2f}x (transformers gave the same "
+                         f"tokens on {r['identical_to_transformers']} prompts)")
     return "\n".join(lines)
 
 
@@ -146,10 +155,11 @@ def demo(args):
     _run(7, "import the shipped draft (models/eagle3_smollm2) onto the base",
          ["checkpoint_tools/import_draft.py", "--draft", SHIPPED_DRAFT, "--model", base,
           "--out", shipped], timings)
-    _run(8, "speculative vs plain generation with the shipped draft",
+    _run(8, "speculative vs plain generation with the shipped draft, and stock transformers",
          ["-m", "megatron_specdec.cli.validate", "--model", shipped,
           "--data", SHIPPED_PROMPTS, "--out", shipped_report,
-          "--num-prompts", args.shipped_prompts, "--max-new-tokens", 128], timings)
+          "--num-prompts", args.shipped_prompts, "--max-new-tokens", 128, "--transformers"],
+         timings)
 
     ours = json.loads((work / "acceptance" / "acceptance.json").read_text())
     ship = json.loads((shipped_report / "acceptance.json").read_text())

@@ -7,6 +7,7 @@
         [--drafter eagle3|medusa|ngram|draft_model [--draft-model DRAFT_CKPT]]
         [--draft-policy adaptive|fixed] [--temperature 0.7 [--top-k 50] [--top-p 0.9] [--seed 0]]
         [--acceptance typical [--typical-eps 0.09] [--typical-alpha 0.3]] [--batch-size 4]
+        [--transformers [HF_DIR]]
 
 Each line is a question: the first of its `turns` (MT-bench; or its `prompt`, or the first
 user message of a training row's `conversations`) goes through the tokenizer's chat template as
@@ -16,13 +17,14 @@ read decompressed, so a data file kept out of training is a validation split as 
 (`--data data/smollm2_regen_steered11.jsonl.gz --num-prompts 40`). Speculative generation runs
 --batch-size prompts at a time (default 1; rows accept ragged counts); plain generation of
 the same base on the same batches gives the tokens/s baseline of the same runtime and checks
-that both produce the same tokens. Prints a short table (acceptance length, per-position
-acceptance, tokens/s, identity) and writes the full report to OUT/acceptance.json and its plot
-to OUT/acceptance.png (acceptance rate per draft position, overall and per category). With
---tree-top-k the drafts form a tree of depth --num-draft-tokens (inference/tree.py); acceptance
-length is counted the same way (tokens per verify forward), and "draft position" is the depth
-along the accepted path. With --tp/--pp > 1 and no torchrun environment, the ranks are spawned
-locally.
+that both produce the same tokens; --transformers also times stock transformers `generate` on
+the base (what a user would run instead) and counts the prompts where it gives the same tokens.
+Prints a short table (acceptance length, per-position acceptance, tokens/s, identity) and writes
+the full report to OUT/acceptance.json and its plot to OUT/acceptance.png (acceptance rate per
+draft position, overall and per category). With --tree-top-k the drafts form a tree of depth
+--num-draft-tokens (inference/tree.py); acceptance length is counted the same way (tokens per
+verify forward), and "draft position" is the depth along the accepted path. With --tp/--pp > 1
+and no torchrun environment, the ranks are spawned locally.
 """
 
 import os
@@ -30,8 +32,10 @@ import sys
 from pathlib import Path
 
 from megatron_specdec.cli.common import ArgumentParser, run_cli
-from megatron_specdec.evaluation.acceptance import (check_batch_size, evaluate_acceptance,
-                                                    format_report)
+from megatron_specdec.evaluation.acceptance import (check_batch_size,
+                                                    check_transformers_baseline,
+                                                    evaluate_acceptance, format_report)
+from megatron_specdec.evaluation.transformers_baseline import hf_base_dir
 
 
 def build_parser():
@@ -53,6 +57,10 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts generated together (rows accept ragged counts)")
     p.add_argument("--no-greedy", action="store_true", help="skip the plain greedy baseline")
+    p.add_argument("--transformers", nargs="?", const="", default=None, metavar="HF_DIR",
+                   help="also time stock transformers generate (greedy, batch 1) on the same "
+                        "prompts: the base in HF_DIR, or bare, the HF directory the checkpoint's "
+                        "base was converted from")
     p.add_argument("--prompt-bucket", type=int, default=None,
                    help="a batch's prompts are left-padded to a multiple of this many tokens, "
                         "so a long run meets few prefill shapes (bf16 keeps a kernel per shape; "
@@ -150,7 +158,8 @@ def _worker(args):
                                  drafter=args.drafter, policy=args.draft_policy,
                                  sampling=sampling_of(args), draft_model=args.draft_model,
                                  batch_size=args.batch_size, typical=typical_of(args),
-                                 prompt_bucket=args.prompt_bucket)
+                                 prompt_bucket=args.prompt_bucket,
+                                 transformers=args.transformers)
     if is_rank0():
         print(format_report(report))
         print(f"full report: {Path(args.out) / 'acceptance.json'} (plot: acceptance.png)")
@@ -169,6 +178,9 @@ def main(argv=None):
     sampling_of(args)
     typical_of(args)
     check_batch_size(args.batch_size)
+    if args.transformers is not None:
+        check_transformers_baseline(args.batch_size, sampling_of(args), args.tp * args.pp)
+        args.transformers = hf_base_dir(args.model, args.transformers or None)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
 

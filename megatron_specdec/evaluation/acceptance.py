@@ -14,6 +14,7 @@ import torch
 from megatron_specdec.checkpointing.checkpoint import write_text_atomic
 from megatron_specdec.data.jsonl import BadRows, iter_jsonl
 from megatron_specdec.evaluation.plots import plot_acceptance
+from megatron_specdec.evaluation.transformers_baseline import hf_generate, load_transformers
 from megatron_specdec.inference.metrics import summarise_by_category
 
 # The untimed first call: this many prompt tokens, and as many new ones.
@@ -24,6 +25,14 @@ def check_batch_size(batch_size):
     """--batch-size is an integer >= 1 (the CLI checks it before any rank starts)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
+
+
+def check_transformers_baseline(batch_size, sampling, world: int):
+    """The transformers baseline is batch-1 greedy decoding in one process: what a user runs
+    with `generate` by default (the CLI checks it before any rank starts)."""
+    if batch_size != 1 or (sampling is not None and not sampling.greedy) or world != 1:
+        raise ValueError("--transformers times batch-1 greedy decoding in one process: it needs "
+                         "--batch-size 1, no --temperature, and --tp 1 --pp 1")
 
 
 def _first_turn(record: dict):
@@ -87,7 +96,7 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
                         num_draft_tokens=None, num_prompts=None, out_dir=None,
                         compare_greedy=True, progress=True, tree=None, drafter=None,
                         policy="adaptive", sampling=None, draft_model=None, batch_size=1,
-                        typical=None, prompt_bucket=None):
+                        typical=None, prompt_bucket=None, transformers=None):
     """Acceptance length, per-position acceptance (overall and per category) and tokens/s;
     `tree`: a TreeSpec to draft trees instead of chains; `drafter`: eagle3, medusa, ngram,
     draft_model, ... (registry names; default: the model's own draft module; `draft_model`: the
@@ -96,7 +105,9 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     baseline is then plain sampling, and outputs are not compared); `batch_size`: prompts
     per batch; `typical`: a sampling.TypicalAcceptance (Medusa, lossy) instead of rejection
     sampling; `prompt_bucket`: a batch's prompts are padded to a multiple of this many tokens
-    (generation.left_pad; None: its default).
+    (generation.left_pad; None: its default); `transformers`: the HF directory of the base, to
+    time stock transformers `generate` on the same prompts as well (batch 1, greedy, one
+    process: check_transformers_baseline).
 
     model_or_ckpt: a SpeculativeGPTModel stage (process groups initialised by the caller;
     then `tokenizer`, a tokenizer or its directory, is required) or a speculative checkpoint
@@ -111,6 +122,9 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     from megatron_specdec.inference.generation import plain_generate
 
     check_batch_size(batch_size)
+    if transformers is not None:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        check_transformers_baseline(batch_size, sampling, world)
     model, tokenizer = _resolve(model_or_ckpt, tokenizer)
     prompts = read_prompts(prompts_path, tokenizer, num_prompts)
     eos = end_of_turn_ids(tokenizer)
@@ -120,6 +134,9 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
     sampled = sampling is not None and not sampling.greedy
     seed = (sampling.seed or 0) if sampled else 0
     records, spec_time, greedy_time, identical, plain_tokens = [], 0.0, 0.0, 0, 0
+    hf_model, hf_time, hf_tokens, hf_identical = None, 0.0, 0, 0
+    if transformers is not None:
+        hf_model = load_transformers(transformers, next(model.base.parameters()).dtype)
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     if prompts and max_new_tokens > 0:
         # Untimed: a process's first calls pay once (the kernel choice measures weight shapes
@@ -130,6 +147,8 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
         if compare_greedy:
             plain_generate(model.base, warm, WARM_UP_TOKENS, model.vocab_size, eos,
                            prompt_bucket=prompt_bucket)
+        if hf_model is not None:
+            hf_generate(hf_model, warm[0], WARM_UP_TOKENS, eos)
     for i, batch in enumerate(tqdm(batches, desc="acceptance",
                                    disable=not (progress and is_rank0()))):
         ids = [p for _, p in batch]
@@ -147,6 +166,12 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
             greedy_time += time.perf_counter() - start
             plain_tokens += sum(len(p) for p in plain)
             identical += sum(p == r.tokens for p, r in zip(plain, results))
+        if hf_model is not None:
+            start = time.perf_counter()
+            theirs = hf_generate(hf_model, ids[0], max_new_tokens, eos)
+            hf_time += time.perf_counter() - start
+            hf_tokens += len(theirs)
+            hf_identical += theirs == results[0].tokens
         records += [{"category": category, "accepted": result.accepted,
                      "drafted": result.drafted, "new_tokens": len(result.tokens)}
                     for (category, _), result in zip(batch, results)]
@@ -174,6 +199,12 @@ def evaluate_acceptance(model_or_ckpt, prompts_path, tokenizer=None, *, max_new_
         report["speedup"] = report["speculative_tokens_per_s"] / report["greedy_tokens_per_s"]
         if not sampled:
             report["identical_to_greedy"] = f"{identical}/{len(records)}"
+    if hf_model is not None:
+        report["transformers"] = str(transformers)
+        report["transformers_tokens_per_s"] = hf_tokens / hf_time
+        report["speedup_vs_transformers"] = (report["speculative_tokens_per_s"]
+                                             / report["transformers_tokens_per_s"])
+        report["identical_to_transformers"] = f"{hf_identical}/{len(records)}"
     report["per_prompt"] = records
     if out_dir is not None and is_rank0():
         out_dir = Path(out_dir)
@@ -212,6 +243,13 @@ def format_report(report) -> str:
                   f"(speedup {report['speedup']:.2f}x)")
     if "identical_to_greedy" in report:
         speed += f"; identical to greedy: {report['identical_to_greedy']}"
+    if "transformers_tokens_per_s" in report:
+        theirs = report["transformers_tokens_per_s"]
+        speed += (f"\ntransformers generate (greedy) {theirs:.1f} tokens/s: speculative "
+                  f"{report['speedup_vs_transformers']:.2f}x that")
+        if "greedy_tokens_per_s" in report:
+            speed += f", plain greedy {report['greedy_tokens_per_s'] / theirs:.2f}x"
+        speed += f"; identical to it: {report['identical_to_transformers']}"
     legend = ("AL: tokens per verify forward; drafted: tokens drafted a round; "
               "pj: P(draft j accepted | draft j-1 accepted)")
     return "\n".join(lines + [speed, legend])
