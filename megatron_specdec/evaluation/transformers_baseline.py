@@ -10,16 +10,21 @@ import torch
 def hf_base_dir(ckpt, override=None, flag="--transformers") -> Path:
     """The HF directory of a checkpoint's base: `override` (the value of `flag`), else the
     directory it was converted from (its `hf_config._name_or_path`); an error naming `flag`
-    if that holds no HF model."""
+    where that holds no HF model."""
     from megatron_specdec.checkpointing import checkpoint
 
-    source = Path(override or checkpoint.read_meta(ckpt)["hf_config"].get("_name_or_path") or "")
-    if not (source / "config.json").is_file():
-        why = "is not an HF model directory (no config.json)" if override else (
-            f"is where the base of {ckpt} was converted from, and holds no HF model now; pass "
-            f"{flag} DIR (checkpoint_tools/megatron_to_hf.py writes one)")
-        raise FileNotFoundError(f"{flag}: {source} {why}")
-    return source
+    if override is not None:
+        if not (Path(override) / "config.json").is_file():
+            raise FileNotFoundError(f"{flag}: {override} is not an HF model directory "
+                                    f"(no config.json)")
+        return Path(override)
+    recorded = checkpoint.read_meta(ckpt)["hf_config"].get("_name_or_path") or ""
+    if not recorded or not (Path(recorded) / "config.json").is_file():
+        where = (f"was converted from {recorded}, which holds no HF model now" if recorded
+                 else "records no HF directory of its base")
+        raise FileNotFoundError(f"{flag}: checkpoint {ckpt} {where}; pass {flag} DIR "
+                                f"(checkpoint_tools/megatron_to_hf.py writes one)")
+    return Path(recorded)
 
 
 def load_transformers(hf_dir, dtype=torch.float32):
