@@ -81,11 +81,11 @@ def summary_table(rows) -> str:
     for name, r in rows:
         if "transformers_tokens_per_s" in r:
             theirs = r["transformers_tokens_per_s"]
-            lines.append(f"\n{name}, against stock transformers generate (greedy, batch 1) "
-                         f"on the same prompts, {theirs:.1f} tokens/s: speculative "
+            lines.append(f"\n{name} against stock transformers generate (greedy, batch 1, "
+                         f"{theirs:.1f} tokens/s on the same prompts):\n  speculative "
                          f"{r['speedup_vs_transformers']:.2f}x, plain greedy "
-                         f"{r['greedy_tokens_per_s'] / theirs:.2f}x (transformers gave the same "
-                         f"tokens on {r['identical_to_transformers']} prompts)")
+                         f"{r['greedy_tokens_per_s'] / theirs:.2f}x; transformers gave the same "
+                         f"tokens on {r['identical_to_transformers']} prompts")
     return "\n".join(lines)
 
 
