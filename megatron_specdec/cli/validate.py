@@ -175,11 +175,11 @@ def main(argv=None):
     check_draft_model_args(args, meta["hf_config"]["vocab_size"],
                            Path(args.model) / checkpoint.TOKENIZER_DIR)
     tree_spec(args)
-    sampling_of(args)
+    sampling = sampling_of(args)
     typical_of(args)
     check_batch_size(args.batch_size)
     if args.transformers is not None:
-        check_transformers_baseline(args.batch_size, sampling_of(args), args.tp * args.pp)
+        check_transformers_baseline(args.batch_size, sampling, args.tp * args.pp)
         args.transformers = hf_base_dir(args.model, args.transformers or None)
     if args.tp * args.pp > 1 and "RANK" not in os.environ:
         from megatron_specdec import distributed
