@@ -7,13 +7,18 @@ the cache has its own length (layers.decode_attention.DecodeCache): a row's toke
 slots and RoPE positions they would have alone, whatever the batch.
 """
 
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_specdec.models.layers.decode_embedding import decode_embedding
+from megatron_specdec.models.layers.decode_layer import norm_eps
 
+# SPECDEC_GREEDY_CHAIN=0: every forward takes StageRunner's general step (benchmarks).
+GREEDY_CHAIN_ENV = "SPECDEC_GREEDY_CHAIN"
 # Greedy plain_generate drops finished rows once they are 1/_DROP_SHARE of the batch.
 _DROP_SHARE = 4
 
@@ -61,6 +66,9 @@ class StageRunner:
         self.captured = {}
         # Decided once, not per step: whether the final norm runs as the C++ op.
         self.final_norm_fused = self.last and fused_norm(model.decoder.final_layernorm)
+        self._chained = False  # the last forward's layers ran as one decode_layers op
+        # Off: every forward takes the general step (GreedyChain; a bench's reference).
+        self.fast_steps = os.environ.get(GREEDY_CHAIN_ENV, "1") != "0"
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -78,8 +86,15 @@ class StageRunner:
         attend causally. `counts` [b]: only the last counts[b] tokens of row b are real (a
         left-padded chunk, layers.decode_attention.DecodeCache), so the final position holds
         every row's newest real token. Draft trees pass their own `positions` [b, s] and
-        `attention_mask` [b, 1, s, max length + s] (True = may not attend; tree.verify_layout)."""
+        `attention_mask` [b, 1, s, max length + s] (True = may not attend; tree.verify_layout).
+        A batch-1 greedy chain (a plain step, a verify) runs as GreedyChain once one of its
+        width has run here (unless `fast_steps` is off)."""
         b, s = tokens.shape
+        chain = (greedy and b == 1 and counts is None and positions is None
+                 and attention_mask is None and (s == 1 or not last_only) and self.fast_steps)
+        fast = self.context.memo.get(_GREEDY_CHAIN) if chain else None
+        if fast is not None and s in fast.widths:
+            return fast(self, tokens)
         device = tokens.device
         slots = self.context.place(s, device, counts)
         pos = slots if positions is None else positions.expand(b, s)
@@ -96,7 +111,28 @@ class StageRunner:
             dist.send(hidden.contiguous(), dst=self.next_rank)
             return None
         hidden = self._final_norm(hidden[-1:] if last_only else hidden)
-        return self._greedy(hidden) if greedy else self._logits(hidden)
+        ids = self._greedy(hidden) if greedy else self._logits(hidden)
+        if chain and self._chained:
+            self._plan_chain(s)
+        return ids
+
+    def _plan_chain(self, s: int):
+        """After a greedy batch-1 chain of s tokens that ran the layers as one op: where the
+        rest of such a forward is a plain lookup, the final norm op and the screened head of
+        one TP rank, the next ones of its width run as GreedyChain (kept in the cache's memo,
+        so dropped with it)."""
+        from megatron_specdec.models.layers.decode_embedding import plain_lookup
+        from megatron_specdec.models.layers.greedy_head import greedy_head
+
+        weight = self._output_weight()
+        head = greedy_head(weight, min(weight.shape[0], self.vocab_size), s)
+        if not (self.first and self.final_norm_fused and self.model.tp_group.size() == 1
+                and plain_lookup(self.model.embedding) and head is not None):
+            return
+        fast = self.context.memo.get(_GREEDY_CHAIN)
+        if fast is None:
+            fast = self.context.memo[_GREEDY_CHAIN] = GreedyChain(self, head)
+        fast.add_width(self, s)
 
     def _layers(self, hidden, mask):
         """This stage's decoder layers over the cache, recording the outputs named in
@@ -108,12 +144,14 @@ class StageRunner:
         )
 
         self.captured = {}
+        self._chained = False
         layers = self.model.decoder.layers
         if all(isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context)
                and layer.whole(hidden, self.context) for layer in layers):
             ids = [i for i, layer in enumerate(layers) if layer.layer_number - 1 in self.capture_ids]
             *outputs, hidden = decode_chain(list(layers), hidden, self.context, ids)
             self.captured = {layers[i].layer_number - 1: out for i, out in zip(ids, outputs)}
+            self._chained = True
             return hidden
         for layer in layers:
             if isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context):
@@ -185,6 +223,62 @@ class StageRunner:
         if dist.get_world_size(self.pp_group) > 1:
             dist.broadcast(tensor, src=self.last_rank, group=self.pp_group)
         return tensor
+
+
+_GREEDY_CHAIN = "greedy chain"
+
+
+class GreedyChain:
+    """A greedy forward of a batch-1 runner that is the whole model (first and last stage,
+    one TP rank) over a chain of s tokens (a plain step, a verify of s - 1 drafts) whose
+    layers run as one decode_layers op: the lookup, the op over operands taken once per
+    width (decode_layer.FrozenChainStep), the final norm op and the screened head, with none
+    of the general step's per-forward work between them (slot placement, masks, the layers'
+    checks, the weights' lookups, the head's). The same ops on the same values as
+    StageRunner.step, so the same ids and captured states, bitwise
+    (tests/test_generation_fast_step.py). That work cost more than its own time: each
+    forward's first code and data come back from memory after the layers' stream
+    (RESULTS.md, "The greedy chain without the general step")."""
+
+    def __init__(self, runner: StageRunner, head):
+        model = runner.model
+        self.layers = list(model.decoder.layers)
+        self.capture = [i for i, layer in enumerate(self.layers)
+                        if layer.layer_number - 1 in runner.capture_ids]
+        self.captured_as = [self.layers[i].layer_number - 1 for i in self.capture]
+        # Nothing here refers back to the runner or its cache, whose memo holds this.
+        self.widths = {}  # s -> FrozenChainStep
+        self.head = head
+        self.embedding = model.embedding.word_embeddings.weight
+        norm = model.decoder.final_layernorm
+        self.norm_weight, self.norm_eps = norm.weight, norm_eps(norm, runner.dtype)
+
+    def add_width(self, runner: StageRunner, s: int):
+        """Chains of s tokens too (after one ran through the general step: its operands)."""
+        from megatron_specdec.models.layers.decode_layer import FrozenChainStep
+
+        if s not in self.widths:
+            self.widths[s] = FrozenChainStep(self.layers, runner.context, self.capture, s)
+
+    def __call__(self, runner: StageRunner, tokens: torch.Tensor) -> torch.Tensor:
+        """Argmax ids [1, s] of tokens [1, s], appended to `runner`'s cache."""
+        cache = runner.context
+        s = tokens.shape[1]
+        start = int(cache.lengths[0])
+        if start + s > cache.max_sequence_length:
+            raise ValueError(f"KV cache of {cache.max_sequence_length} slots cannot take "
+                             f"{start + s}")
+        hidden = F.embedding(tokens, self.embedding).transpose(0, 1).contiguous()
+        rotary = runner.rotary[start: start + s]
+        cos = torch.cos(rotary).to(runner.dtype).reshape(s, -1)
+        sin = torch.sin(rotary).to(runner.dtype).reshape(s, -1)
+        *outputs, hidden = self.widths[s](hidden, cos, sin, start)
+        cache.lengths += s
+        runner.captured = dict(zip(self.captured_as, outputs))
+        hidden = torch.ops.megatron_specdec.rms_norm(hidden, self.norm_weight, self.norm_eps)
+        if runner.capture_final:
+            runner.captured["final"] = hidden
+        return self.head(hidden.reshape(s, -1))[0].view(1, s)
 
 
 def left_pad(prompts, pad_id: int, device=None, bucket: Optional[int] = None):

@@ -349,18 +349,12 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
     16-bit copies follow its values). The op writes the chain's cache slots from its inputs
     alone, so timing it on a real call leaves the cache and the result as one call does."""
     s = hidden_states.shape[0]
-    weights, eps = [], []
-    for layer in layers:
-        layer_weights, layer_eps = layer.op_weights
-        weights += layer_weights
-        eps += layer_eps
+    weights, eps = _run_weights(layers)
     cos, sin = cache.chain_cos_sin(hidden_states)
 
     def call(operands, schedules):
-        keys, values, heads, scales = operands
-        return torch.ops.megatron_specdec.decode_layers(
-            hidden_states, with_panels(weights, schedules), eps, cos, sin, keys, values,
-            cache.chain_start(), heads, scales, schedules, list(capture), embeds)
+        return _decode_layers(hidden_states, with_panels(weights, schedules), eps, cos, sin,
+                              operands, cache.chain_start(), schedules, capture, embeds)
 
     key = (id(layers[0]), len(layers), s)
     memo = cache.memo.get(key)
@@ -373,3 +367,42 @@ def decode_chain(layers, hidden_states, cache: DecodeCache, capture=(), embeds=N
         schedules = run_schedules(layers, s, weights, lambda schedules: call(operands, schedules))
         memo = cache.memo[key] = (operands, schedules)
     return call(*memo)
+
+
+def _run_weights(layers) -> tuple:
+    """(weights, epsilons) the decode_layers op takes for a run of layers (op_weights)."""
+    weights, eps = [], []
+    for layer in layers:
+        layer_weights, layer_eps = layer.op_weights
+        weights += layer_weights
+        eps += layer_eps
+    return weights, eps
+
+
+def _decode_layers(hidden_states, weights, eps, cos, sin, operands, start, schedules, capture,
+                   embeds) -> list:
+    keys, values, heads, scales = operands
+    return torch.ops.megatron_specdec.decode_layers(
+        hidden_states, weights, eps, cos, sin, keys, values, start, heads, scales, schedules,
+        list(capture), embeds)
+
+
+class FrozenChainStep:
+    """decode_chain of s tokens of a run of layers whose weights hold still while `cache`
+    lives (a frozen base while a runner decodes): the weights, the panel copies and the cache
+    operands that decode_chain gathered for chains of s tokens (its memo in `cache`, so built
+    after one such call) are taken once, and a forward is the op alone. Python between the
+    layers' streams costs more than its own time (each forward's first code and data come
+    back from memory: RESULTS.md, "The time outside the ops")."""
+
+    def __init__(self, layers, cache: DecodeCache, capture=(), s: int = 1):
+        operands, schedules = cache.memo[(id(layers[0]), len(layers), s)]
+        weights, self.eps = _run_weights(layers)
+        self.weights = with_panels(weights, schedules)
+        self.operands, self.schedules, self.capture = operands, schedules, list(capture)
+
+    def __call__(self, hidden_states, cos, sin, start: int) -> list:
+        """The op's outputs (the captured layers', then the last one's) for hidden_states
+        [s, 1, h] at slots start.., cos and sin [s, rotary dim] of their RoPE positions."""
+        return _decode_layers(hidden_states, self.weights, self.eps, cos, sin, self.operands,
+                              start, self.schedules, self.capture, None)
