@@ -322,35 +322,37 @@ def plain_generate(model, prompts, max_new_tokens: int, vocab_size: int, eos_ids
     tokens, lengths = left_pad(prompts, 0, device(), prompt_bucket)
     batch = tokens.shape[0]
     runner = StageRunner(model, batch, tokens.shape[1] + max_new_tokens, vocab_size)
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=tokens.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
+    eos = set(int(e) for e in eos_ids)
+    done = [False] * batch  # host bookkeeping: a step's only device->host copy is its ids
     results = [[] for _ in range(batch)]
     rows = list(range(batch))  # the prompt each batch row answers
     step_input, counts = tokens, lengths
     for _ in range(max_new_tokens):
         out = runner.step(step_input, last_only=True, counts=counts, greedy=temperature == 0)
-        next_tokens = torch.zeros(len(rows), dtype=torch.long, device=tokens.device)
         if runner.last and temperature == 0:
             next_tokens = out[:, -1]
         elif runner.last:
             next_tokens = sampler.sample(out[:, -1], generator)
+        else:
+            next_tokens = torch.zeros(len(rows), dtype=torch.long, device=tokens.device)
         runner.broadcast_from_last(next_tokens)
-        finished = torch.isin(next_tokens, eos) | done
-        # One device->host copy per step, not one per row.
-        for row, token, stop in zip(rows, next_tokens.tolist(), finished.tolist()):
-            if not stop:
-                results[row].append(token)
-        done = finished
-        if bool(done.all()):
+        for i, (row, token) in enumerate(zip(rows, next_tokens.tolist())):
+            if not done[i]:
+                if token in eos:
+                    done[i] = True
+                else:
+                    results[row].append(token)
+        if all(done):
             break
-        if temperature == 0 and int(done.sum()) * _DROP_SHARE >= len(rows):
+        if temperature == 0 and sum(done) * _DROP_SHARE >= len(rows):
             # Finished rows leave the batch once they are a quarter of it: a long answer no
             # longer carries the compute of the short ones (the cache copy is paid a few times
             # a batch, not once a row). Sampling keeps every row, so that a seed draws what
             # it always drew.
-            keep = (~done).nonzero().flatten()
+            live = [i for i, stop in enumerate(done) if not stop]
+            keep = torch.tensor(live, device=tokens.device)
             runner.keep_rows(keep)
-            rows = [rows[i] for i in keep.tolist()]
-            next_tokens, done = next_tokens[keep], done[keep]
+            rows = [rows[i] for i in live]
+            next_tokens, done = next_tokens[keep], [False] * len(live)
         step_input, counts = next_tokens.unsqueeze(1), None
     return results
