@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_specdec.models.layers.decode_embedding import decode_embedding
+from megatron_specdec.models.layers.decode_attention import rope_cos_sin
+from megatron_specdec.models.layers.decode_embedding import decode_embedding, lookup
 from megatron_specdec.models.layers.decode_layer import norm_eps
 
 # SPECDEC_GREEDY_CHAIN=0: every forward takes StageRunner's general step (benchmarks).
@@ -62,13 +62,19 @@ class StageRunner:
         self.hidden_size = model.config.hidden_size
         self.dtype = model.config.params_dtype
         self.capture_ids = set(capture_ids)
+        # Indices into the stage's layers of those whose outputs are captured.
+        self.capture_at = [i for i, layer in enumerate(model.decoder.layers)
+                           if layer.layer_number - 1 in self.capture_ids]
         self.capture_final = capture_final
         self.captured = {}
         # Decided once, not per step: whether the final norm runs as the C++ op.
         self.final_norm_fused = self.last and fused_norm(model.decoder.final_layernorm)
         self._chained = False  # the last forward's layers ran as one decode_layers op
-        # Off: every forward takes the general step (GreedyChain; a bench's reference).
-        self.fast_steps = os.environ.get(GREEDY_CHAIN_ENV, "1") != "0"
+        # Whether greedy chains may run as GreedyChain: the whole model on one TP rank with the
+        # final norm op; off with SPECDEC_GREEDY_CHAIN=0 (a bench's reference).
+        self.fast_steps = (self.first and self.final_norm_fused
+                           and model.tp_group.size() == 1
+                           and os.environ.get(GREEDY_CHAIN_ENV, "1") != "0")
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -117,17 +123,16 @@ class StageRunner:
         return ids
 
     def _plan_chain(self, s: int):
-        """After a greedy batch-1 chain of s tokens that ran the layers as one op: where the
-        rest of such a forward is a plain lookup, the final norm op and the screened head of
-        one TP rank, the next ones of its width run as GreedyChain (kept in the cache's memo,
-        so dropped with it)."""
+        """After a greedy batch-1 chain of s tokens that ran the layers as one op (on a runner
+        whose `fast_steps` holds): where the rest of such a forward is a plain lookup and the
+        screened head, the next ones of its width run as GreedyChain (kept in the cache's
+        memo, so dropped with it)."""
         from megatron_specdec.models.layers.decode_embedding import plain_lookup
         from megatron_specdec.models.layers.greedy_head import greedy_head
 
         weight = self._output_weight()
         head = greedy_head(weight, min(weight.shape[0], self.vocab_size), s)
-        if not (self.first and self.final_norm_fused and self.model.tp_group.size() == 1
-                and plain_lookup(self.model.embedding) and head is not None):
+        if head is None or not plain_lookup(self.model.embedding):
             return
         fast = self.context.memo.get(_GREEDY_CHAIN)
         if fast is None:
@@ -148,9 +153,9 @@ class StageRunner:
         layers = self.model.decoder.layers
         if all(isinstance(layer, DecodeTransformerLayer) and layer.direct_decode(self.context)
                and layer.whole(hidden, self.context) for layer in layers):
-            ids = [i for i, layer in enumerate(layers) if layer.layer_number - 1 in self.capture_ids]
-            *outputs, hidden = decode_chain(list(layers), hidden, self.context, ids)
-            self.captured = {layers[i].layer_number - 1: out for i, out in zip(ids, outputs)}
+            *outputs, hidden = decode_chain(list(layers), hidden, self.context, self.capture_at)
+            self.captured = {layers[i].layer_number - 1: out
+                             for i, out in zip(self.capture_at, outputs)}
             self._chained = True
             return hidden
         for layer in layers:
@@ -243,8 +248,7 @@ class GreedyChain:
     def __init__(self, runner: StageRunner, head):
         model = runner.model
         self.layers = list(model.decoder.layers)
-        self.capture = [i for i, layer in enumerate(self.layers)
-                        if layer.layer_number - 1 in runner.capture_ids]
+        self.capture = runner.capture_at
         self.captured_as = [self.layers[i].layer_number - 1 for i in self.capture]
         # Nothing here refers back to the runner or its cache, whose memo holds this.
         self.widths = {}  # s -> FrozenChainStep
@@ -265,14 +269,10 @@ class GreedyChain:
         cache = runner.context
         s = tokens.shape[1]
         start = int(cache.lengths[0])
-        if start + s > cache.max_sequence_length:
-            raise ValueError(f"KV cache of {cache.max_sequence_length} slots cannot take "
-                             f"{start + s}")
-        hidden = F.embedding(tokens, self.embedding).transpose(0, 1).contiguous()
-        rotary = runner.rotary[start: start + s]
-        cos = torch.cos(rotary).to(runner.dtype).reshape(s, -1)
-        sin = torch.sin(rotary).to(runner.dtype).reshape(s, -1)
-        *outputs, hidden = self.widths[s](hidden, cos, sin, start)
+        cache.check_room(start + s)
+        hidden = lookup(self.embedding, tokens)
+        cos, sin = rope_cos_sin(runner.rotary[start: start + s], runner.dtype)
+        *outputs, hidden = self.widths[s](hidden, cos.reshape(s, -1), sin.reshape(s, -1), start)
         cache.lengths += s
         runner.captured = dict(zip(self.captured_as, outputs))
         hidden = torch.ops.megatron_specdec.rms_norm(hidden, self.norm_weight, self.norm_eps)

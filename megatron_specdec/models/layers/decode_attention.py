@@ -37,6 +37,12 @@ from megatron_specdec.models.layers.small_rows_linear import decode_linear, plai
 PER_QUERY_ROWS = INVARIANT_ROWS
 
 
+def rope_cos_sin(freqs: Tensor, dtype) -> Tuple[Tensor, Tensor]:
+    """cos and sin of RoPE angles `freqs` in `dtype` (as megatron's unfused RoPE computes
+    them, so a rotation by them is bitwise its own)."""
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
 class DecodeCache(StaticInferenceContext):
     """Preallocated keys (after RoPE) and values per layer, [max_length, b, groups, head_dim],
     with a length per row: rows of a batch accept different numbers of drafts, so each row
@@ -81,9 +87,7 @@ class DecodeCache(StaticInferenceContext):
             slots = self.lengths[:, None] + (j + counts[:, None] - s) % s
             self._advance = counts
         self._end = int(self.lengths.max()) + s
-        if self._end > self.max_sequence_length:
-            raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take "
-                             f"{self._end}")
+        self.check_room(self._end)
         self._slots = slots.T.to(device)
         first = int(self.lengths[0])
         # Every row appends at the same slots (batch 1, a decode step of equal rows): the
@@ -93,14 +97,17 @@ class DecodeCache(StaticInferenceContext):
         self._rows = torch.arange(self.lengths.numel(), device=device).expand_as(self._slots)
         return slots.to(device)
 
+    def check_room(self, end: int):
+        """An error unless the cache has slots up to `end`."""
+        if end > self.max_sequence_length:
+            raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take {end}")
+
     def _place_one(self, s: int, device) -> Tensor:
         """`place` for one row of s tokens, from the cache's own slot numbers (a decode step's
         dozen small tensor ops cost ~0.15 ms a step on 2 cores)."""
         first = int(self.lengths[0])
         self._advance, self._end, self._span = s, first + s, (first, first + s)
-        if self._end > self.max_sequence_length:
-            raise ValueError(f"KV cache of {self.max_sequence_length} slots cannot take "
-                             f"{self._end}")
+        self.check_room(self._end)
         numbers = self._numbers.get(device)
         if numbers is None:
             numbers = self._numbers[device] = torch.arange(self.max_sequence_length,
@@ -131,7 +138,7 @@ class DecodeCache(StaticInferenceContext):
         """cos and sin of `rotary`, computed once a forward rather than in every layer (as
         megatron's unfused RoPE computes them, so the rotation is bitwise its own)."""
         if self._cos_sin is None or self._cos_sin[0].dtype != dtype:
-            self._cos_sin = (torch.cos(self.rotary).to(dtype), torch.sin(self.rotary).to(dtype))
+            self._cos_sin = rope_cos_sin(self.rotary, dtype)
         return self._cos_sin
 
     def chain_cos_sin(self, like: Tensor) -> Tuple[Tensor, Tensor]:

@@ -30,8 +30,14 @@ def plain_lookup(embedding) -> bool:
             and _unhooked(embedding) and _unhooked(words))
 
 
+def lookup(weight: Tensor, input_ids: Tensor) -> Tensor:
+    """The embedding's output [s, b, h] of input_ids [b, s] where plain_lookup holds for it
+    (weight: its word embeddings)."""
+    return F.embedding(input_ids, weight).transpose(0, 1).contiguous()
+
+
 def decode_embedding(embedding, input_ids: Tensor, position_ids=None) -> Tensor:
     """embedding(input_ids=..., position_ids=...) [s, b, h] of input_ids [b, s]."""
     if plain_lookup(embedding):
-        return F.embedding(input_ids, embedding.word_embeddings.weight).transpose(0, 1).contiguous()
+        return lookup(embedding.word_embeddings.weight, input_ids)
     return embedding(input_ids=input_ids, position_ids=position_ids)
