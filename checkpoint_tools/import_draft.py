@@ -7,6 +7,8 @@ export_draft.py) or, with --method dflash, a DFlash block draft (vLLM's DFlashDr
         --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_eagle3 --tp 2
     python checkpoint_tools/import_draft.py --method dflash --draft runs/hf/dflash \\
         --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_dflash
+    python checkpoint_tools/import_draft.py --parallel-drafting --draft models/eagle3_smollm2 \\
+        --model runs/base --out runs/base_peagle_start
 
 The draft must fit the base (hidden size, heads, MLP width, vocabulary, norm epsilon, rope);
 everything is checked before anything is written. Under torchrun (nproc = tp * pp) it uses
@@ -33,6 +35,9 @@ def build_parser():
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to save at (default 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallel size to save at (default 1)")
+    p.add_argument("--parallel-drafting", action="store_true",
+                   help="eagle3 only: import a chain draft as the start of a parallel-drafting "
+                        "(P-EAGLE) draft, its mask_hidden drawn fresh, to train on")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return p
 
@@ -46,9 +51,14 @@ def main(argv=None):
         with_import = [n for n in registry.names() if registry.get(n).import_hf is not None]
         raise ValueError(f"--method {args.method}: has no HF import; expected one of: "
                          f"{', '.join(with_import)}")
+    options = {}
+    if args.parallel_drafting:
+        if method.name != "eagle3":
+            raise ValueError(f"--parallel-drafting: an eagle3 option; --method is {method.name}")
+        options["parallel_drafting"] = True
     start = time.time()
     method.import_hf(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, **options)
     logging.getLogger("import_draft").info("wrote %s in %.1f s", args.out,
                                            time.time() - start)
 

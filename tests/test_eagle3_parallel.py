@@ -1,4 +1,4 @@
-"""EAGLE3 and Medusa at TP=2, PP=2 and TP2xPP2 against one process: same loss, per-step
+"""EAGLE3 (chain and parallel drafting) and Medusa at TP=2, PP=2 and TP2xPP2 against one process: same loss, per-step
 statistics and draft gradients (float32, 1e-5). Also: the base stays frozen, padded query
 groups hold zeros (and get zero gradients), `convert` gives the same initial draft on every
 layout, and a speculative checkpoint saved at TP=2 loads at PP=2 with the same loss.
@@ -14,11 +14,14 @@ import torch
 
 from megatron_specdec import distributed
 from megatron_specdec.checkpointing import hf_mapping as mapping
+from megatron_specdec.methods.eagle3 import hf_weights as eagle3
 from workers import is_writer
 
-ALGOS = {
-    "eagle3": {"draft_vocab_size": 300, "ttt_steps": 3, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
-    "medusa": {"medusa_num_heads": 3, "medusa_num_layers": 2},
+EAGLE3 = {"draft_vocab_size": 300, "ttt_steps": 3, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+ALGOS = {  # name: (draft algo, its config)
+    "eagle3": ("eagle3", EAGLE3),
+    "peagle": ("eagle3", dict(EAGLE3, parallel_drafting=True, mask_token_id=7)),
+    "medusa": ("medusa", {"medusa_num_heads": 3, "medusa_num_layers": 2}),
 }
 SEQ, MICRO_BATCH, NUM_MICRO, VOCAB = 16, 2, 2, 500
 
@@ -45,7 +48,6 @@ def batches():
 
 def draft_table(model):
     """(rules, count to expand them over, geometry) of this model's draft."""
-    from megatron_specdec.methods.eagle3 import hf_weights as eagle3
     from megatron_specdec.methods.medusa import hf_weights as medusa
 
     cfg, hf = model.spec_config, tiny_hf_config()
@@ -68,12 +70,12 @@ def build(algo, hf_draft=None):
     hf_state = LlamaForCausalLM(hf).state_dict()
     base = build_model(hf)
     load_hf_into_model(base, hf, hf_state)
-    model = convert(base, algo, ALGOS[algo], hf_config=hf)
+    model = convert(base, *ALGOS[algo], hf_config=hf)
     if hf_draft is not None and model.draft is not None:
         rules, n, geo = draft_table(model)
         mapping.load_into_model(model.draft, rules, mapping.hf_to_megatron(rules, hf_draft, geo, n),
                                 n, 0, ps.get_tensor_model_parallel_rank(),
-                                ps.get_tensor_model_parallel_world_size())
+                                ps.get_tensor_model_parallel_world_size(), kept=eagle3.KEPT)
     return model
 
 
@@ -84,12 +86,12 @@ def random_hf_draft(algo):
     g = torch.Generator().manual_seed(3)
     state = {}
     for name, t in model.draft.state_dict().items():
-        if name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or name in eagle3.KEPT:
             continue
         if t.is_floating_point():
             t = t + 0.05 * torch.randn(t.shape, generator=g)
         state[name] = t.clone()
-    if algo == "eagle3":
+    if ALGOS[algo][0] == "eagle3":
         targets = torch.randperm(VOCAB, generator=g)[:300].sort().values
         state["d2t"] = targets - torch.arange(300)
         state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
@@ -171,7 +173,7 @@ def load_worker(tp, pp, ckpt_dir, out_file):
     reports = {}
     for algo in ALGOS:
         model, _, meta = load_speculative(f"{ckpt_dir}/{algo}")
-        assert meta["draft"]["algo"] == algo
+        assert meta["draft"]["algo"] == ALGOS[algo][0]
         reports[algo] = reduce_reports(forward_backward(model, batches(), forward_only=True))
     if is_writer():
         torch.save(reports, out_file)

@@ -33,6 +33,10 @@ def test_config_defaults_and_modelopt_forms():
     ("eagle3", {"draft_vocab_size": 49153}, "draft_vocab_size=49153 is out of range"),
     ("eagle3", {"lm_head_init": "tied"}, "lm_head_init='tied' is not one of base, random"),
     ("eagle3", {"ttt_steps": 0}, "ttt_steps=0"),
+    ("eagle3", {"parallel_drafting": "yes"}, "parallel_drafting must be true or false"),
+    ("eagle3", {"parallel_drafting": True, "mask_token_id": 49152},
+     "mask_token_id=49152 is out of range (valid: 0..49151)"),
+    ("eagle3", {"mask_token_id": 3}, "mask_token_id is read only with parallel_drafting: true"),
     ("medusa", {"medusa_head_weights": [1.0]}, "needs 4 non-negative values"),
     ("lookahead", {}, "valid: eagle3, medusa"),
 ])
@@ -40,6 +44,17 @@ def test_config_errors_name_the_problem(algo, config, message):
     with pytest.raises(SpecConfigError, match=None) as e:
         registry.parse_config(algo, config, 30, 49152)
     assert message in str(e.value)
+
+
+def test_parallel_drafting_defaults_and_draft_count():
+    from megatron_specdec.methods.eagle3.config import check_num_draft_tokens
+
+    cfg = registry.parse_config("eagle3", {"parallel_drafting": True, "ttt_steps": 5}, 30, 49152)
+    assert cfg.mask_token_id == 49151  # the last vocabulary id
+    check_num_draft_tokens(cfg, 5)
+    with pytest.raises(SpecConfigError, match="ttt_steps 5 drafts 1..5 tokens"):
+        check_num_draft_tokens(cfg, 6)
+    check_num_draft_tokens(registry.parse_config("eagle3", {"ttt_steps": 5}, 30, 49152), 9)
 
 
 # ---- training-time test attention ---------------------------------------------------------
@@ -126,7 +141,7 @@ def test_soft_cross_entropy_matches_plain_softmax(one_process):
 
 
 # ---- the draft against a step-by-step reference -----------------------------------------
-def _tiny_model(draft_layers=2):
+def _tiny_model(draft_layers=2, **config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_specdec.models.speculative import convert
@@ -142,7 +157,8 @@ def _tiny_model(draft_layers=2):
     load_hf_into_model(base, hf, hf_model.state_dict())
     model = convert(base, "eagle3", {"draft_vocab_size": 300, "ttt_steps": 3,
                                      "eagle_num_layers": draft_layers,
-                                     "eagle_aux_hidden_state_layer_ids": [0, 2, 1]}, hf_config=hf)
+                                     "eagle_aux_hidden_state_layer_ids": [0, 2, 1], **config},
+                    hf_config=hf)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.draft.parameters():
@@ -270,6 +286,34 @@ def test_incremental_drafting_api_reproduces_training_time_test(one_process):
             assert torch.allclose(logits[0], ttt[k][u], atol=1e-5)
         top = logits[0, 0].argmax()
         assert draft.t2d[top + draft.d2t[top]]  # draft id -> target id
+
+
+@pytest.mark.parametrize("draft_layers", [1, 2])
+def test_parallel_drafting_trains_what_one_block_forward_drafts(one_process, draft_layers):
+    """Parallel drafting (P-EAGLE): TTT step k at position u (fed the mask input) equals mask
+    position k of the one forward that drafts after the real prefix ending at u - k, laid out
+    as vLLM lays it out: the real positions, then the mask token's embedding with
+    fc(mask_hidden), causal."""
+    model, hf, hf_model = _tiny_model(draft_layers, parallel_drafting=True, mask_token_id=5)
+    draft, s = model.draft, 10
+    assert torch.equal(draft.mask_embed, hf_model.model.embed_tokens.weight[5].detach())
+    ids = torch.randint(0, 512, (1, s), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        state = model.run_base(ids)
+        aux = torch.cat(state.aux, -1)
+        embeds = torch.cat([state.embeds[1:], state.embeds[-1:]])
+        rope = model.rotary_pos_emb(s)
+        ttt = draft.training_time_test(aux, embeds, rope, None, 3)
+        for start in (0, 4, 7):
+            n = start + 1
+            mask_embeds, mask_hidden = draft.mask_input(2, 1)
+            hidden = torch.cat([draft.project(aux[:n]), mask_hidden])
+            causal = torch.ones(n + 2, n + 2, dtype=torch.bool).triu(1)[None, None]
+            _, logits = draft.step(torch.cat([embeds[:n], mask_embeds]), hidden,
+                                   rope[:n + 2], causal, [[] for _ in draft.layers])
+            for k in range(3):
+                assert torch.allclose(logits[start + k], ttt[k][start + k], atol=1e-5), (start, k)
+        assert not torch.allclose(ttt[1], ttt[0], atol=1e-3)  # the mask input is its own
 
 
 def test_packed_sequences_train_like_separate_ones(one_process):

@@ -19,6 +19,7 @@ from megatron_specdec import distributed
 DRAFTS = {
     "eagle3": ("eagle3", {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 2, 3]}),
     "eagle3_2layers": ("eagle3", {"draft_vocab_size": 300, "eagle_num_layers": 2}),
+    "peagle": ("eagle3", {"draft_vocab_size": 300, "parallel_drafting": True, "ttt_steps": 5}),
     "medusa": ("medusa", {"medusa_num_heads": 2, "medusa_num_layers": 2}),
 }
 LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2), ("tp1", 1, 1)]

@@ -17,7 +17,7 @@ from test_export_eagle3 import make_checkpoints, tiny_hf_config
 @pytest.fixture(scope="module")
 def ckpts(module_tmp):
     root = module_tmp("spec")
-    distributed.spawn(make_checkpoints, 2, str(root), ["eagle3", "eagle3_2layers"],
+    distributed.spawn(make_checkpoints, 2, str(root), ["eagle3", "eagle3_2layers", "peagle"],
                       [("tp2", 2, 1), ("tp1", 1, 1)])
     return root
 
@@ -40,7 +40,7 @@ def _same_checkpoint(a, b):
 
 
 @pytest.mark.parametrize("name,tp,pp", [("eagle3", 1, 1), ("eagle3_2layers", 2, 1),
-                                         ("eagle3", 1, 2)])
+                                         ("eagle3", 1, 2), ("peagle", 1, 2)])
 def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp, pp):
     from megatron_specdec.methods.eagle3.hf_import import import_eagle3
     from megatron_specdec.methods.eagle3.hf_export import export_eagle3
@@ -51,6 +51,7 @@ def test_import_of_export_is_the_checkpoint(ckpts, tmp_path, name, tp, pp):
     out = tmp_path / "imported"
     cfg = import_eagle3(hf, ckpts / "base", out, tp=tp, pp=pp)
     assert cfg.eagle_num_layers == (2 if "2layers" in name else 1)
+    assert cfg.parallel_drafting == (name == "peagle") and cfg.ttt_steps == (5 if name == "peagle" else 7)
     meta = checkpoint.read_meta(out)
     assert (meta["saved_tensor_parallel"], meta["saved_pipeline_parallel"]) == (tp, pp)
     assert _same_checkpoint(src, out) > 10
@@ -160,3 +161,23 @@ def test_published_style_draft(draft_dir):
     kept = draft_import.check_tensors(config, cfg, tensors, draft_dir)
     assert "embed_tokens.weight" not in kept
     assert torch.equal(kept["d2t"], torch.zeros(500, dtype=torch.int64)) and bool(kept["t2d"].all())
+
+
+def test_chain_draft_imports_as_the_start_of_a_parallel_drafting_one(ckpts, draft_dir, tmp_path):
+    """--parallel-drafting: the chain draft's weights unchanged, a mask_hidden drawn, the
+    mask token the base's last id; its export says parallel_drafting as vLLM reads it."""
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3, read_hf_draft
+
+    cfg = import_eagle3(draft_dir, ckpts / "base", tmp_path / "ckpt", parallel_drafting=True)
+    assert cfg.parallel_drafting and cfg.mask_token_id == 499
+    _, chain = read_hf_draft(draft_dir)
+    config, tensors = read_hf_draft(export_eagle3(tmp_path / "ckpt", tmp_path / "hf"))
+    assert config["parallel_drafting"] is True and config["mask_token_id"] == 499
+    assert sorted(tensors) == sorted([*chain, "mask_hidden"])
+    assert tensors["mask_hidden"].shape == (1, 3 * 96) and tensors["mask_hidden"].std() > 0
+    for name, t in chain.items():
+        assert torch.equal(tensors[name], t), name
+    with pytest.raises(ValueError, match="already drafts in parallel"):
+        import_eagle3(tmp_path / "hf", ckpts / "base", tmp_path / "again",
+                      parallel_drafting=True)

@@ -22,7 +22,9 @@ WRONG_AT = [(5, 6), (1,), (), (2, 3, 9)]  # per row: emitted positions the oracl
 THRESHOLD = 0.02  # around the random drafts' top probabilities: adaptive chains vary
 _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
-DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft_model"), "medusa": ("medusa",)}
+DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft_model"), "peagle": ("eagle3",),
+            "medusa": ("medusa",)}
+CHAINS_ONLY = {"peagle"}  # a parallel-drafting draft drafts no tree of its own
 TREE = (3, 8)  # TreeSpec(top_k, max_nodes) of the random-draft trees; oracle trees: top-2
 
 
@@ -55,9 +57,11 @@ def batch_worker(tp, pp, draft_dir, out_file):
             for name, policy in policies(kind).items():
                 generator.policy = policy
                 results[f"{algo}/{kind}/{name}"] = generator.generate_batch(PROMPTS, NEW)
-        results[f"{algo}/tree"] = SpeculativeGenerator(
-            model, K, tree=TreeSpec(*TREE), policy="fixed").generate_batch(PROMPTS, NEW)
-        for name, tree in (("oracle", None), ("oracle_tree", TreeSpec(2))):
+        if algo not in CHAINS_ONLY:
+            results[f"{algo}/tree"] = SpeculativeGenerator(
+                model, K, tree=TreeSpec(*TREE), policy="fixed").generate_batch(PROMPTS, NEW)
+        for name, tree in (("oracle", None), ("oracle_tree", TreeSpec(2)))[
+                :1 if algo in CHAINS_ONLY else 2]:
             generator = SpeculativeGenerator(model, K, policy="fixed", tree=tree)
             if generator.drafter is not None:  # the last stage
                 generator.drafter = OracleDrafter(generator.drafter, results[algo], WRONG_AT,
@@ -83,9 +87,9 @@ def test_batch_rows_equal_their_batch_1_greedy(tp, pp, tmp_path):
                 assert {d for r in results[f"{algo}/{kind}/fixed"] for d in r.drafted} == {K}
                 adaptive = results[f"{algo}/{kind}/adaptive"]
                 assert len({d for r in adaptive for d in r.drafted}) > 1, kind
-        for row, greedy in zip(results[f"{algo}/tree"], results[algo]):
+        for row, greedy in zip(results.get(f"{algo}/tree", ()), results[algo]):
             assert row.tokens == greedy[:NEW], (algo, "tree")
-        for name in ("oracle", "oracle_tree"):
+        for name in ("oracle", "oracle_tree")[:1 if algo in CHAINS_ONLY else 2]:
             for row, greedy, wrong in zip(results[f"{algo}/{name}"], results[algo], WRONG_AT):
                 assert row.tokens == greedy[:NEW], (algo, name)
                 assert row.accepted == expected_accepts(K, NEW, wrong), (algo, name)

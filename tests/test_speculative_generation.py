@@ -1,5 +1,5 @@
 """Speculative generation on a small seeded random Llama (fast): identity with plain greedy
-for EAGLE3, Medusa and n-gram drafting, fixed and adaptive draft length, at TP=1, TP=2 and
+for EAGLE3 (chain and parallel drafting), Medusa and n-gram drafting, fixed and adaptive draft length, at TP=1, TP=2 and
 PP=2; an oracle drafter that proposes the known
 greedy continuation with planned mistakes, so rounds accept several tokens and roll back at
 chosen places (exact accepted counts)."""
@@ -14,12 +14,13 @@ from workers import is_writer
 HF = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
           intermediate_size=128, vocab_size=512, max_position_embeddings=256,
           tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.3)
-ALGOS = {"eagle3": {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
-                    "ttt_steps": 4},
-         "medusa": {"medusa_num_heads": 4}}
+EAGLE3 = {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 1, 2], "ttt_steps": 4}
+ALGOS = {"eagle3": ("eagle3", EAGLE3),  # name: (draft algo, its config)
+         "peagle": ("eagle3", dict(EAGLE3, parallel_drafting=True)),
+         "medusa": ("medusa", {"medusa_num_heads": 4})}
 K, NEW = 4, 40
 # The random drafts' top probabilities lie around this, so the adaptive runs draft 0..K.
-THRESHOLD = {"eagle3": 0.02, "medusa": 0.02}
+THRESHOLD = {"eagle3": 0.02, "peagle": 0.02, "medusa": 0.02}
 WRONG_AT = (5, 6, 13, 30)  # emitted positions the oracle gets wrong
 PROMPT = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -37,7 +38,7 @@ def build(algo):
     base = build_model(hf)
     load_hf_into_model(base, hf, state)
     torch.manual_seed(1)
-    return convert(base, algo, ALGOS[algo], hf_config=hf).eval()
+    return convert(base, *ALGOS[algo], hf_config=hf).eval()
 
 
 def expected_accepts(k, new_tokens, wrong_at):

@@ -127,6 +127,23 @@ def test_speculative_sampling_matches_plain_sampling(model, greedy, reference):
     assert _same_distribution(reference, _samples(biased)) < 1e-6
 
 
+def test_parallel_drafting_sampling_matches_plain_sampling(reference):
+    """A parallel-drafting draft samples its whole chain from one forward's distributions:
+    still plain sampling's distribution."""
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.inference.sampling import Sampling
+
+    own, accepted = SpeculativeGenerator(build("peagle"), K, policy="fixed"), []
+
+    def with_draft_probs(seed):
+        result = own.generate(PROMPT, NEW, sampling=Sampling(**SETTINGS, seed=seed))
+        accepted.extend(result.accepted)
+        return result.tokens
+
+    assert _same_distribution(reference, _samples(with_draft_probs)) > 1e-3
+    assert sum(accepted) > 0
+
+
 def test_speculative_tree_sampling_matches_plain_sampling(model, greedy, reference):
     """Trees through tree_verify's recursive rejection over siblings: one-hot oracle trees
     (the greedy continuation on the deepest path, found after rejecting wrong siblings), and

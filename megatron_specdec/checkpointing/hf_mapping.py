@@ -356,14 +356,16 @@ def rule_index(rules, num_layers: int) -> dict:
 
 
 def load_into_model(model, rules, global_state, num_layers: int, layer_offset: int,
-                    tp_rank: int, tp_size: int, experts=(0, 0, 1)):
+                    tp_rank: int, tp_size: int, experts=(0, 0, 1), kept=()):
     """Copy this rank's slices of `global_state` (a dict, or MergedTensors to read only this
     rank's slices, one tensor at a time) into `model`'s parameters, checking shapes.
-    `experts`: (global index of this rank's first expert, expert TP rank, expert TP size)."""
+    `experts`: (global index of this rank's first expert, expert TP rank, expert TP size);
+    `kept`: names of buffers the model sets itself (no HF tensor holds them)."""
     index = rule_index(rules, num_layers)
     keys_map = layer_keys_map(model)
     first_expert, etp_rank, etp_size = experts
-    params = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    params = {k: v for k, v in model.state_dict().items()
+              if not k.endswith("_extra_state") and k not in kept}
     for local_name, param in params.items():
         name = to_global_name(local_name, layer_offset, keys_map)
         expert, rank, size = None, tp_rank, tp_size

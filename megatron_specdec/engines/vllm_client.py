@@ -64,9 +64,14 @@ def vllm_python() -> Path:
 
 def eagle3_config(draft_dir, num_speculative_tokens: int) -> dict:
     """vLLM's speculative_config for an exported EAGLE3 draft directory (made absolute: the
-    runner works in a temporary directory)."""
+    runner works in a temporary directory); a draft whose config.json says parallel_drafting
+    runs so (P-EAGLE: the chain in one draft forward)."""
+    import json
+
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
     return {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
-            "num_speculative_tokens": num_speculative_tokens}
+            "num_speculative_tokens": num_speculative_tokens,
+            **({"parallel_drafting": True} if config.get("parallel_drafting") else {})}
 
 
 def medusa_config(draft_dir, num_speculative_tokens: int) -> dict:

@@ -46,12 +46,13 @@ def read_draft(ckpt_dir, algo: str) -> DraftSource:
     return DraftSource(meta, checkpoint.hf_config_from_meta(meta), cfg, tensors)
 
 
-def hf_stream(rules, source: DraftSource, geo, num_layers: int, dtype_name=None):
+def hf_stream(rules, source: DraftSource, geo, num_layers: int, dtype_name=None, kept=()):
     """(specs, stream) of the draft's HF tensors (mapping.split_stream), floating ones cast to
     `dtype_name` (None: as saved; d2t/t2d keep their integer types). A checkpoint tensor that
-    no rule consumes (a table gap, e.g. a bias the family adds) is an error, never dropped."""
+    no rule consumes (a table gap, e.g. a bias the family adds) is an error, never dropped,
+    unless `kept` names it (a buffer the draft sets itself when attached)."""
     consumed = {meg for _, _, meg, _ in mapping.expand_rules(rules, num_layers)}
-    unmapped = sorted(set(source.tensors) - consumed)
+    unmapped = sorted(set(source.tensors) - consumed - set(kept))
     if unmapped:
         raise mapping.WeightMappingError(
             f"draft tensor(s) {', '.join(unmapped)} have no HF name in the weight table; "

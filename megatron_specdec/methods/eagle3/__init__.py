@@ -1,7 +1,7 @@
 """EAGLE3: a one-layer draft on the base's aux hidden states (three layers' outputs), trained
 with training-time test, drafting chains or trees over a calibrated draft vocabulary."""
 
-from megatron_specdec.methods.eagle3.config import Eagle3Config, validate
+from megatron_specdec.methods.eagle3.config import Eagle3Config, check_num_draft_tokens, validate
 from megatron_specdec.registry import DraftMethod, lazy
 
 _P = "megatron_specdec.methods.eagle3"
@@ -22,6 +22,7 @@ METHOD = DraftMethod(
     supports_recompute=True,
     proposer=lazy(f"{_P}.proposer:make_proposer"),
     default_num_draft_tokens=lambda cfg: cfg.ttt_steps,
+    check_num_draft_tokens=check_num_draft_tokens,
     draft_vocab_size=lambda model: model.spec_config.draft_vocab_size,
     drafts_trees=True,
     export_hf=lazy(f"{_P}.hf_export:export_eagle3"),

@@ -27,6 +27,11 @@ class Eagle3Config:
     # "base": lm_head rows and final norm start as the base's output rows of the draft ids
     # (so a short run learns the hidden state, not a vocabulary); "random": drawn from the seed.
     lm_head_init: str = "random"
+    # P-EAGLE: one draft forward proposes the whole chain. Step k >= 1 reads the embedding of
+    # `mask_token_id` and fc(mask_hidden) (a learned aux state) in place of the token and
+    # hidden state a chain step would read; vLLM serves it as `parallel_drafting`.
+    parallel_drafting: bool = False
+    mask_token_id: Optional[int] = None  # default: the base's last vocabulary id
     # Derived, stored so a checkpoint reloads at any TP: not user keys.
     padded_draft_vocab_size: Optional[int] = field(default=None, metadata={"derived": True})
 
@@ -46,6 +51,14 @@ def validate(cfg: Eagle3Config, num_layers: int, vocab_size: int):
         raise ConfigError(
             f"lm_head_init={cfg.lm_head_init!r} is not one of {', '.join(LM_HEAD_INITS)}"
         )
+    if not isinstance(cfg.parallel_drafting, bool):
+        raise ConfigError(f"parallel_drafting must be true or false, got {cfg.parallel_drafting!r}")
+    if cfg.parallel_drafting:
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = vocab_size - 1
+        check_int("mask_token_id", cfg.mask_token_id, 0, vocab_size - 1)
+    elif cfg.mask_token_id is not None:
+        raise ConfigError("mask_token_id is read only with parallel_drafting: true")
     if cfg.draft_vocab_size is None:
         cfg.draft_vocab_size = vocab_size
     check_int("draft_vocab_size", cfg.draft_vocab_size, 1, vocab_size)
@@ -65,3 +78,11 @@ def validate(cfg: Eagle3Config, num_layers: int, vocab_size: int):
     cfg.padded_draft_vocab_size = -(-cfg.draft_vocab_size // multiple) * multiple
 
 
+
+
+def check_num_draft_tokens(cfg: Eagle3Config, k: int) -> None:
+    """A parallel-drafting draft proposes at most ttt_steps tokens: the steps it was trained
+    on (a chain draft may run past them)."""
+    if cfg.parallel_drafting and not 1 <= k <= cfg.ttt_steps:
+        raise ConfigError(f"num_draft_tokens {k}: a parallel-drafting EAGLE3 draft with "
+                          f"ttt_steps {cfg.ttt_steps} drafts 1..{cfg.ttt_steps} tokens")

@@ -77,6 +77,10 @@ def hf_config(base, cfg, dtype_name: str) -> dict:
             "use_last_layernorm": cfg.use_last_layernorm,
         },
     }
+    if cfg.parallel_drafting:  # vLLM: speculative_config parallel_drafting, mask_hidden
+        config["parallel_drafting"] = True
+        config["mask_token_id"] = cfg.mask_token_id
+        config["eagle_config"]["parallel_draft_positions"] = cfg.ttt_steps
     # No `target_hidden_size`: the draft's hidden size is the base's, and the key would make
     # the EAGLE reference runtime expect the draft's own embed_tokens in the file.
     return config
@@ -87,7 +91,7 @@ def hf_stream(source: draft_source.DraftSource, dtype_name=None):
     cfg = source.cfg
     geo = eagle3.geometry(source.hf_config, source.meta["padding"], cfg)
     return draft_source.hf_stream(eagle3.rules(cfg), source, geo, cfg.eagle_num_layers,
-                                  dtype_name)
+                                  dtype_name, kept=eagle3.KEPT)
 
 
 def hf_tensors(source: draft_source.DraftSource) -> dict:

@@ -122,7 +122,27 @@ def draft_config(config: dict, tensors: dict, base):
         "use_input_layernorm_in_first_layer": first + "input_layernorm.weight" in tensors,
         "use_last_layernorm": "norm.weight" in tensors,
     }
+    if config.get("parallel_drafting"):
+        positions = (config.get("eagle_config") or {}).get("parallel_draft_positions")
+        raw.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"),
+                   **({} if positions is None else {"ttt_steps": positions}))
     return registry.parse_config("eagle3", raw, base.num_hidden_layers, base.vocab_size)
+
+
+def start_parallel_drafting(config: dict, tensors: dict, base, seed: int = 1234):
+    """A chain EAGLE3 draft as the start of a parallel-drafting one: the same weights, the
+    base's last vocabulary id as mask token, mask_hidden drawn as the draft's init draws a
+    weight (the next training stage learns it)."""
+    if config.get("parallel_drafting"):
+        raise DraftMismatchError("the draft already drafts in parallel (config.json "
+                                 "parallel_drafting: true)")
+    num_aux = len(_aux_layer_ids(config) or [0, 0, 0])
+    std = float(getattr(base, "initializer_range", 0.02))
+    generator = torch.Generator().manual_seed(seed)
+    mask_hidden = torch.randn(1, num_aux * base.hidden_size, generator=generator) * std
+    config = dict(config, parallel_drafting=True, mask_token_id=base.vocab_size - 1)
+    dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
+    return config, dict(tensors, mask_hidden=mask_hidden.to(dtype))
 
 
 def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
@@ -188,12 +208,15 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
     if model.draft is not None:
         mapping.load_into_model(model.draft, eagle3.rules(cfg), global_draft, cfg.eagle_num_layers,
                                 0, ps.get_tensor_model_parallel_rank(),
-                                ps.get_tensor_model_parallel_world_size())
+                                ps.get_tensor_model_parallel_world_size(), kept=eagle3.KEPT)
     save_speculative(model, out_ckpt, meta, Path(base_ckpt) / checkpoint.TOKENIZER_DIR, overwrite)
 
 
-def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False):
-    """HF EAGLE3 draft + base (or speculative) checkpoint -> speculative checkpoint at TP x PP.
+def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
+                  parallel_drafting=False):
+    """HF EAGLE3 draft + base (or speculative) checkpoint -> speculative checkpoint at TP x PP;
+    `parallel_drafting`: a chain draft imported as the start of a parallel-drafting one
+    (`start_parallel_drafting`).
 
     Runs in the current process group when it has tp*pp ranks, else spawns tp*pp local
     processes. Returns the draft's Eagle3Config."""
@@ -205,6 +228,8 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False):
     base = checkpoint.hf_config_from_meta(meta)
     config, tensors = read_hf_draft(draft_dir)
     check_fits(config, base)
+    if parallel_drafting:
+        config, tensors = start_parallel_drafting(config, tensors, base)
     cfg = draft_config(config, tensors, base)
     tensors = check_tensors(config, cfg, tensors, draft_dir)
     families.transformer_config(base, tp=tp, pp=pp,

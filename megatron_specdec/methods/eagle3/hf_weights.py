@@ -36,7 +36,11 @@ def rules(cfg):
         Rule("lm_head.weight", ("lm_head.weight",), "vocab", 0),
         Rule("d2t", ("d2t",)),
         Rule("t2d", ("t2d",)),
-    ]
+    ] + ([Rule("mask_hidden", ("mask_hidden",))] if cfg.parallel_drafting else [])
+
+
+# Set from the base when the draft is attached (layers.Eagle3Module): no HF tensor holds it.
+KEPT = ("mask_embed",)
 
 
 def geometry(hf_config, padding: dict, cfg) -> Geometry:
@@ -68,6 +72,8 @@ def tensor_shapes(config: dict) -> dict:
               "d2t": (config["draft_vocab_size"],), "t2d": (config["vocab_size"],)}
     if eagle.get("use_last_layernorm", True):
         shapes["norm.weight"] = (h,)
+    if config.get("parallel_drafting"):
+        shapes["mask_hidden"] = (1, num_aux * target_h)
     for i in range(layers):
         p, width = layer_prefix(layers, i), (2 * h if i == 0 else h)
         shapes.update({

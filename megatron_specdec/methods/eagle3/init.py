@@ -39,6 +39,7 @@ def hf_initial_state(config, cfg, geo: mapping.Geometry, vocab_size: int, seed: 
         "head_dim": geo.head_dim, "num_attention_heads": geo.num_heads,
         "num_key_value_heads": geo.num_groups, "num_hidden_layers": cfg.eagle_num_layers,
         "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": vocab_size,
+        "parallel_drafting": cfg.parallel_drafting,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": cfg.aux_layer_ids,
             "use_last_layernorm": cfg.use_last_layernorm,
@@ -72,4 +73,4 @@ def initialize_draft(draft, config, cfg, real_query_groups: int, vocab_size: int
                                    geo, cfg.eagle_num_layers)
     mapping.load_into_model(draft, rules, state, cfg.eagle_num_layers, 0,
                             ps.get_tensor_model_parallel_rank(),
-                            ps.get_tensor_model_parallel_world_size())
+                            ps.get_tensor_model_parallel_world_size(), kept=eagle3.KEPT)

@@ -4,7 +4,10 @@ Lives on the last pipeline stage. `fc` (n_aux*h -> h, no bias) is replicated acr
 attention and MLP are megatron-core Column/RowParallel layers; `lm_head` is ColumnParallel
 over the draft vocabulary, padded to a multiple of 128 (independent of TP, so checkpoints
 reshard) with padded logits masked to -inf. `d2t`/`t2d` are persistent buffers, so they
-travel in `sharded_state_dict` (replicated).
+travel in `sharded_state_dict` (replicated). A parallel-drafting (P-EAGLE) draft adds
+`mask_hidden` (the learned aux state of its mask positions, replicated) and `mask_embed` (the
+base's embedding of the mask token, a buffer set when the draft is attached, since the last
+pipeline stage holds no embedding table).
 """
 
 from dataclasses import dataclass, field
@@ -45,12 +48,19 @@ def shift_right(hidden: Tensor) -> Tensor:
 
 class Eagle3Module(MegatronModule):
     def __init__(self, config, submodules: Eagle3ModuleSubmodules, num_aux: int,
-                 draft_vocab_size: int, padded_draft_vocab_size: int, vocab_size: int):
+                 draft_vocab_size: int, padded_draft_vocab_size: int, vocab_size: int,
+                 parallel_drafting: bool = False):
         super().__init__(config=config)
         h = config.hidden_size
         self.draft_vocab_size = draft_vocab_size
         self.fc = torch.nn.Linear(num_aux * h, h, bias=False, dtype=config.params_dtype)
         config.init_method(self.fc.weight.data)
+        self.parallel_drafting = parallel_drafting
+        if parallel_drafting:
+            self.mask_hidden = torch.nn.Parameter(
+                torch.empty(1, num_aux * h, dtype=config.params_dtype))
+            config.init_method(self.mask_hidden.data)
+            self.register_buffer("mask_embed", torch.zeros(h, dtype=config.params_dtype))
         self.layers = ShardedModuleList(
             build_module(spec, config=config, layer_number=i + 1)
             for i, spec in enumerate(submodules.layers)
@@ -120,15 +130,22 @@ class Eagle3Module(MegatronModule):
         rows by the product this machine runs fastest)."""
         return rows_linear(aux, self.fc.weight)
 
+    def mask_input(self, s: int, b: int):
+        """(embeds, hidden) [s, b, h] of s mask positions of a parallel-drafting draft."""
+        h = self.mask_embed.shape[0]
+        return (self.mask_embed.expand(s, b, h),
+                self.project(self.mask_hidden).expand(s, b, h))
+
     def step(self, embeds: Tensor, hidden: Tensor, rotary_pos_emb: Optional[Tensor],
-             attention_mask: Tensor, kv_blocks: List[list], last_only: bool = False):
+             attention_mask: Tensor, kv_blocks: List[list], last: int = 0):
         """One draft step. embeds: embedding of the token after each position [s, b, h];
         hidden: the draft's hidden input [s, b, h]; kv_blocks: one list per draft layer
         (this step's keys/values are appended). Returns (hidden_out [s, b, h], logits over
         this TP rank's slice of the padded draft vocabulary [s, b, Dp/TP], padded = -inf);
-        with `last_only` the logits of the last position only (drafting reads no others)."""
+        with `last` > 0 the logits of the last `last` positions only (drafting reads no
+        others)."""
         hidden = self._layers(embeds, hidden, rotary_pos_emb, attention_mask, kv_blocks)
-        return hidden, self.head(hidden[-1:] if last_only else hidden)
+        return hidden, self.head(hidden[-last:] if last else hidden)
 
     @cached_property
     def lean(self) -> bool:
@@ -137,13 +154,13 @@ class Eagle3Module(MegatronModule):
         return all(layer.lean for layer in self.layers) and plain_decoding_linear(self.lm_head)
 
     def decode_step(self, embeds: Tensor, hidden: Tensor, attention_mask: Optional[Tensor],
-                    cache: DecodeCache, last_only: bool = False):
+                    cache: DecodeCache, last: int = 0):
         """`step` without grad over the drafter's `cache`, whose keys and values it appends
         and whose RoPE angles (DecodeCache.set_rotary) it reads, without megatron's per-call
         machinery (Eagle3Layer.decode)."""
         for layer in self.layers:
             hidden = layer.decode(hidden, embeds, attention_mask, cache)
-        out = hidden[-1:] if last_only else hidden
+        out = hidden[-last:] if last else hidden
         logits, _ = decode_linear(self.lm_head, norm_decode(
             self.final_layernorm, out, fused_norm(self.final_layernorm)))
         return hidden, self._unpadded(logits)
@@ -190,13 +207,20 @@ class Eagle3Module(MegatronModule):
         """The last draft layer's output of every unrolled step, [s, b, h]; step k is fed step
         k-1's output shifted by one position and attends as `TTTMask` says. With `rows`
         (indices into the [s*b] positions, s-major) those positions only, [n, 1, h]: the
-        loss reads no others."""
+        loss reads no others.
+
+        A parallel-drafting draft feeds every step k >= 1 its mask input instead: step k at
+        position u is then the mask position k of the block whose real position is u-k, and
+        TTTMask's keys (the real prefix to u-k, the block's positions 1..k) are exactly what
+        that mask position attends to when the block is drafted in one forward."""
         hidden = self.project(aux)
         s, b, h = hidden.shape
         kv_blocks = [[] for _ in self.layers]
         outs = []
         for k in range(ttt_steps):
-            if k:
+            if k and self.parallel_drafting:
+                embeds, hidden = self.mask_input(s, b)
+            elif k:
                 hidden = shift_right(hidden)
             hidden = self._layers(embeds, hidden, rotary_pos_emb, TTTMask(base_mask, k),
                                   kv_blocks)

@@ -11,6 +11,13 @@ with a length per row (rows of a batch keep different counts; a ragged chunk is 
 its padding placed past the row's length); slot index = position, so one causal mask serves
 both.
 
+A parallel-drafting (P-EAGLE) draft proposes the whole chain in the forward that reads the
+real positions: after each row's newest real position it appends ttt_steps - 1 mask positions
+(the mask token's embedding and fc(mask_hidden), causal, as vLLM's parallel drafting lays them
+out), keeps the logits of the newest real position and the mask positions, and drops the mask
+entries from the cache. A chain step then costs nothing but reading the next position's
+logits.
+
 A tree (tree.py) is drafted the same way, one draft forward per depth over the expanded
 frontier: a node at depth d runs at position t+d on its parent's output hidden state and
 its own token's embedding, attending to the real entries and the entries of its ancestors,
@@ -44,14 +51,19 @@ class Eagle3Drafter:
         self.kv = []  # each draft layer's view of the cache
         self.real = None  # [b] real positions per row (the rest: the current chain)
         self._rope: Optional[Tensor] = None
-        self._last = None  # (hidden [1, b, h], logits [1, b, Dp/TP]) of each row's newest position
+        # (hidden [1, b, h], logits [1 + masks, b, Dp/TP]) of each row's newest position (and,
+        # drafting in parallel, of the mask positions after it)
+        self._last = None
+        cfg = model.spec_config
+        self.masks = cfg.ttt_steps - 1 if cfg.parallel_drafting else 0
+        self.mask_token_id = cfg.mask_token_id
 
     def _forward(self, hidden: Tensor, next_tokens: Tensor, positions=None, mask=None,
-                 counts=None, last_only: bool = False):
+                 counts=None, last: int = 0):
         """Append s cache entries per row: hidden [s, b, h], next_tokens [b, s]; by default
         at RoPE position = slot, causal (`counts`: a left-padded chunk, DecodeCache.place);
-        a tree passes positions [s] and mask [1, 1, s, cached + s]. Returns (hidden out,
-        logits) [s (or 1: last_only), b, ...]."""
+        a tree passes positions [s] and mask [1, 1, s, cached + s]. Returns (hidden out
+        [s, b, h], logits [s (or `last`), b, Dp/TP])."""
         slots = self.cache.place(hidden.shape[0], hidden.device, counts)
         positions = slots if positions is None else positions.expand_as(slots)
         if mask is None:
@@ -60,9 +72,9 @@ class Eagle3Drafter:
         rotary = self._rope[positions.T][:, :, 0]
         if self.module.lean and not torch.is_grad_enabled():
             self.cache.set_rotary(rotary)
-            out = self.module.decode_step(embeds, hidden, mask, self.cache, last_only)
+            out = self.module.decode_step(embeds, hidden, mask, self.cache, last)
         else:
-            out = self.module.step(embeds, hidden, rotary, mask, self.kv, last_only)
+            out = self.module.step(embeds, hidden, rotary, mask, self.kv, last)
         self.cache.commit()
         return out
 
@@ -75,8 +87,19 @@ class Eagle3Drafter:
     def _step(self, hidden: Tensor, next_tokens: Tensor, counts=None):
         """Append hidden [s, b, h], next_tokens [b, s] after each row's cached entries and
         keep the newest state of each row."""
-        hidden, logits = self._forward(hidden, next_tokens, counts=counts, last_only=True)
+        hidden, logits = self._forward(hidden, next_tokens, counts=counts, last=1)
         self._last = (hidden[-1:], logits)
+
+    def _block(self, hidden: Tensor, next_tokens: Tensor, counts=None):
+        """`_step`, then the mask positions after each row's newest, in one forward; their
+        cache entries are dropped and their logits kept in `_last`."""
+        n, b = self.masks, hidden.shape[1]
+        tokens = torch.cat([next_tokens, next_tokens.new_full((b, n), self.mask_token_id)], 1)
+        hidden = torch.cat([hidden, self.module.mask_input(n, b)[1].to(hidden.dtype)])
+        hidden, logits = self._forward(hidden, tokens, counts=None if counts is None
+                                       else counts + n, last=n + 1)
+        self.cache.lengths.sub_(n)
+        self._last = (hidden[-n - 1:-n], logits)
 
     def _drop_chain(self):
         self.cache.lengths.copy_(self.real)
@@ -97,7 +120,11 @@ class Eagle3Drafter:
         if next_tokens.shape[0] == 1:
             real = int(counts[0])
             aux, next_tokens, counts = aux[aux.shape[0] - real:], next_tokens[:, -real:], None
-        self._step(self.module.project(aux), next_tokens, counts)
+        hidden = self.module.project(aux)
+        if self.masks:
+            self._block(hidden, next_tokens, counts)
+        else:
+            self._step(hidden, next_tokens, counts)
         self.real = self.cache.lengths.clone()
 
     def start(self, prompt: Tensor, lengths: Tensor, pending: Tensor, out, max_length: int):
@@ -113,8 +140,12 @@ class Eagle3Drafter:
     def _chain(self, k: int, policy, pick):
         """Up to k chained drafts after each row's newest real position
         (draft_policy.draft_chain; take() gives target ids [b]). Leaves the drafter as it
-        found it (the chain's cache entries and states are dropped)."""
+        found it (the chain's cache entries and states are dropped). Drafting in parallel,
+        step i reads the logits of mask position i, which the last real forward computed."""
         real = self._last
+        if self.masks:
+            ahead = iter(real[1][1:].split(1))
+            return draft_chain(k, policy, real[1][:1], lambda ids: next(ahead), pick)
 
         def advance(ids):
             self._step(self._last[0], ids[:, None])
@@ -175,6 +206,9 @@ class Eagle3Drafter:
         (indices into `candidates`, a DraftTree in draft ids, all at depth d) and returns
         their logits [len(frontier), D]. Returns what grow returns; leaves the drafter as it
         found it, like `propose`."""
+        if self.masks:
+            raise ValueError("a parallel-drafting EAGLE3 draft drafts a chain in one forward; "
+                             "it has no tree (drop tree / --tree)")
         whole = self.cache, self.kv, self._last, self.real
         self.cache = self.cache.row(row)
         self.kv = self._blocks()
