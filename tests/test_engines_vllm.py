@@ -9,7 +9,10 @@ saved at TP=2 and exported by export_draft in fp32 and bf16, plus a two-layer dr
   plain_generate on the same fp32 weights, token for token;
 - vLLM accepts the draft's tokens, and serves an export without d2t silently dead, which is
   why `export_draft --verify-with vllm` checks the files and the acceptance length;
-- `--verify-with vllm` passes the good export and names the fault of broken ones.
+- `--verify-with vllm` passes the good export and names the fault of broken ones;
+- the same draft imported as a parallel-drafting (P-EAGLE) one, exported and served with
+  vLLM's parallel_drafting: its output is greedy's and vLLM's acceptance length is the
+  project decoder's.
 
 The default suite serves the fp32 one-layer export; the bf16 and two-layer exports, n-gram
 drafting, the export without d2t and the Medusa / draft-model serving are marked slow.
@@ -115,9 +118,15 @@ def export(ckpt, root, layers, dtype):
 def served(default_hf_dir, prompts, project_greedy, base_tp2, live, module_tmp):
     """The one-layer EAGLE3 export (TP=2 checkpoint -> export_draft, fp32) and one vLLM
     process serving greedy and the draft on the same prompts."""
+    from checkpoint_tools import export_draft
+    from megatron_specdec.methods.eagle3.hf_import import import_eagle3
+
     root = module_tmp("engines")
     exports = export(speculative_tp2(live, default_hf_dir, base_tp2, root, 1), root, 1,
                      "float32")
+    import_eagle3(root / "live1", base_tp2, root / "peagle1_tp2", tp=2, parallel_drafting=True)
+    export_draft.main(["--model", str(root / "peagle1_tp2"), "--out", str(root / "peagle1")])
+    exports["peagle_1layer_float32"] = root / "peagle1"
     runs = {"greedy": None, **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}
     results = vllm.generate(default_hf_dir, prompts, NEW_TOKENS, runs)
     (root / "vllm_results.json").write_text(json.dumps(
@@ -173,6 +182,39 @@ def test_vllm_speculative_output_is_its_greedy_and_the_projects(served):
     for name in served["exports"]:
         assert results[name].outputs == greedy, name
         assert results[name].tokens == NEW_TOKENS * len(served["prompts"]), name
+
+
+def _project_accepted(ckpt, prompts, out_file):
+    """The project's decoder on a speculative checkpoint: tokens and accepted drafts per round
+    of each prompt (fixed K drafts a round)."""
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.loading.speculative import load_speculative
+
+    distributed.initialize(1, 1)
+    generator = SpeculativeGenerator(load_speculative(ckpt)[0].eval(), K, policy="fixed")
+    results = [generator.generate(ids, NEW_TOKENS) for ids in prompts]
+    torch.save([(r.tokens, r.accepted) for r in results], out_file)
+
+
+def test_vllm_drafts_a_parallel_drafting_export_as_the_project_does(served, tmp_path):
+    """P-EAGLE: vLLM runs the export as parallel_drafting (its config.json says so), drafts
+    K tokens every verify step, and accepts what the project's decoder accepts from the same
+    draft (acceptance length within 5%; a chain-drafting reading of the same weights accepts
+    more, its later positions being the live draft's own)."""
+    r = served["results"]["peagle_1layer_float32"]
+    config = json.loads((served["exports"]["peagle_1layer_float32"] / "config.json").read_text())
+    assert vllm.eagle3_config(served["exports"]["peagle_1layer_float32"], K)["parallel_drafting"]
+    assert config["parallel_drafting"] is True and config["mask_token_id"] == 49151
+    assert r.drafts > 0 and r.draft_tokens == K * r.drafts, r
+    out = tmp_path / "project.pt"
+    distributed.spawn(_project_accepted, 1, str(served["root"] / "peagle1_tp2"),
+                      served["prompts"], str(out))
+    project = torch.load(out)
+    assert [tokens for tokens, _ in project] == served["project_greedy"]
+    accepted = [a for _, rounds in project for a in rounds]
+    project_al = (sum(accepted) + len(accepted)) / len(accepted)
+    assert sum(accepted) > 0
+    assert abs(r.acceptance_length / project_al - 1) <= 0.05, (r.acceptance_length, project_al)
 
 
 # The bf16 and two-layer exports, and n-gram drafting, repeat the fp32 export's checks on
