@@ -42,6 +42,7 @@ with n-gram). Table on stdout, JSON in bench/results/generation.json (plot besid
         [--tree-top-k T [--tree-max-nodes N]] [--every N] [--batch-sizes 4 16]
         [--temperature 0.7] [--drafter draft_model --draft-model DRAFT_CKPT]
         [--also-model CKPT] [--vllm-eagle3 models/eagle3_smollm2] [--vllm-dflash DIR]
+        [--vllm-peagle DIR]
         [--methods 'eagle3 adaptive' 'vllm greedy' ...]
 
 Without --model the draft is a randomly initialised one on the embedded SmolLM2 (what
@@ -92,6 +93,12 @@ def hf_runner(hf_model, eos, max_new_tokens, **kwargs):
     return lambda ids: (hf_generate(hf_model, ids, max_new_tokens, eos, **kwargs), None)
 
 
+def method_name(model) -> str:
+    """A row's name for a speculative model's draft: its method, "peagle" for a
+    parallel-drafting EAGLE3 draft (another design over the same method)."""
+    return "peagle" if getattr(model.spec_config, "parallel_drafting", False) else model.algo
+
+
 def load_also(args, model):
     """The --also-model speculative checkpoints, each over the same base as --model (its
     rows name it by its method, so two of one method are refused)."""
@@ -100,8 +107,8 @@ def load_also(args, model):
     others = []
     for path in args.also_model:
         other = load_speculative(path)[0].eval()
-        if other.algo in {model.algo, *(o.algo for o in others)}:
-            raise SystemExit(f"--also-model {path}: a {other.algo} draft, a method already "
+        if method_name(other) in {method_name(model), *(method_name(o) for o in others)}:
+            raise SystemExit(f"--also-model {path}: a {method_name(other)} draft, a method already "
                              f"benchmarked here (one checkpoint per method)")
         mine, theirs = (next(m.base.parameters()).dtype for m in (model, other))
         if other.vocab_size != model.vocab_size or mine != theirs:
@@ -129,17 +136,19 @@ def methods(args, model, hf_dir, eos, tree, others=()):
         PREVIOUS: pinned("weight_left", lambda ids: (
             plain_generate(model.base, [ids], n, model.vocab_size, eos)[0], None)),
     }
-    drafts = {f"{model.algo} fixed k": SpeculativeGenerator(model, args.num_draft_tokens,
-                                                            policy="fixed"),
-              f"{model.algo} adaptive": SpeculativeGenerator(model, args.num_draft_tokens),
+    name = method_name(model)
+    drafts = {f"{name} fixed k": SpeculativeGenerator(model, args.num_draft_tokens,
+                                                      policy="fixed"),
+              f"{name} adaptive": SpeculativeGenerator(model, args.num_draft_tokens),
               "ngram": SpeculativeGenerator(model, args.num_draft_tokens, drafter_kind="ngram")}
     if tree is not None:
-        drafts[f"{model.algo} tree"] = SpeculativeGenerator(model, args.num_draft_tokens,
+        drafts[f"{name} tree"] = SpeculativeGenerator(model, args.num_draft_tokens,
                                                             tree=tree)
     for other in others:
-        drafts[f"{other.algo} fixed k"] = SpeculativeGenerator(other, args.num_draft_tokens,
-                                                               policy="fixed")
-        drafts[f"{other.algo} adaptive"] = SpeculativeGenerator(other, args.num_draft_tokens)
+        drafts[f"{method_name(other)} fixed k"] = SpeculativeGenerator(
+            other, args.num_draft_tokens, policy="fixed")
+        drafts[f"{method_name(other)} adaptive"] = SpeculativeGenerator(
+            other, args.num_draft_tokens)
     drafts.update(draft_model_generators(args, model, {"fixed k": "fixed",
                                                        "adaptive": "adaptive"}))
     for name, generator in drafts.items():
@@ -269,6 +278,9 @@ def main():
     p.add_argument("--vllm-dflash", default=None,
                    help="HF DFlash draft directory for a vLLM DFlash row (an --also-model or "
                         "--model draft as exported)")
+    p.add_argument("--vllm-peagle", default=None,
+                   help="HF parallel-drafting EAGLE3 draft directory for a vLLM P-EAGLE row "
+                        "(parallel_drafting; an --also-model or --model draft as exported)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling comparison at this temperature (0: skip it)")
     p.add_argument("--sampling-every", type=int, default=1,
@@ -389,7 +401,7 @@ def main():
     batched = batch_throughput(model, hf_model, prompts, eos, args)
     sampled = sampling_speed(model, hf_model, prompts, eos, args, others)
     result = {
-        "model": what + "".join(f" + {o.algo} draft of {p}"
+        "model": what + "".join(f" + {method_name(o)} draft of {p}"
                                 for o, p in zip(others, args.also_model)),
         "machine": about,
         "bandwidth_bound_tokens_per_s": bound,
@@ -514,8 +526,9 @@ def vllm_configs(args) -> dict:
         return {}
     runs = {"vllm greedy": None, "vllm ngram k=3": vllm_client.ngram_config(3)}
     k = args.num_draft_tokens or 3
-    for algo, path in vllm_drafts(args).items():
-        runs[f"vllm {algo} k={k}"] = registry.get(algo).engine_config(path, k).vllm
+    for name, path in vllm_drafts(args).items():
+        method = "eagle3" if name == "peagle" else name  # its config.json says parallel_drafting
+        runs[f"vllm {name} k={k}"] = registry.get(method).engine_config(path, k).vllm
     if args.draft_model_hf:
         runs[f"vllm draft model k={k}"] = vllm_client.draft_model_config(args.draft_model_hf, k)
     return runs
@@ -539,8 +552,9 @@ def pick(runs: dict, names) -> dict:
 
 def vllm_drafts(args) -> dict:
     """{method: HF draft directory} of the --vllm-<method> flags given."""
-    return {algo: path for algo, path in (("eagle3", args.vllm_eagle3),
-                                          ("dflash", args.vllm_dflash)) if path}
+    return {name: path for name, path in (("eagle3", args.vllm_eagle3),
+                                          ("dflash", args.vllm_dflash),
+                                          ("peagle", args.vllm_peagle)) if path}
 
 
 def batch_throughput(model, hf_model, prompts, eos, args):
@@ -599,9 +613,10 @@ def sampling_speed(model, hf_model, prompts, eos, args, others=()):
         return {}
     n, t = args.max_new_tokens, args.temperature
     prompts = prompts[:: args.sampling_every]
-    generators = {f"project {model.algo} speculative": SpeculativeGenerator(model),
+    generators = {f"project {method_name(model)} speculative": SpeculativeGenerator(model),
                   "project ngram speculative": SpeculativeGenerator(model, drafter_kind="ngram"),
-                  **{f"project {o.algo} speculative": SpeculativeGenerator(o) for o in others}}
+                  **{f"project {method_name(o)} speculative": SpeculativeGenerator(o)
+                     for o in others}}
     generators.update({f"project {name} speculative": g for name, g in
                        draft_model_generators(args, model, {"adaptive": "adaptive"}).items()})
     if model.method.typical_acceptance:  # the lossy option beside the lossless ones
