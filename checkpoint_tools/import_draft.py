@@ -7,8 +7,8 @@ export_draft.py) or, with --method dflash, a DFlash block draft (vLLM's DFlashDr
         --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_eagle3 --tp 2
     python checkpoint_tools/import_draft.py --method dflash --draft runs/hf/dflash \\
         --model runs/ckpt/smollm2 --out runs/ckpt/smollm2_dflash
-    python checkpoint_tools/import_draft.py --parallel-drafting --draft models/eagle3_smollm2 \\
-        --model runs/base --out runs/base_peagle_start
+    python checkpoint_tools/import_draft.py --draft models/eagle3_smollm2 --model runs/base \\
+        --out runs/peagle_start --parallel-drafting data/smollm2_regen_general.jsonl.gz
 
 The draft must fit the base (hidden size, heads, MLP width, vocabulary, norm epsilon, rope);
 everything is checked before anything is written. Under torchrun (nproc = tp * pp) it uses
@@ -18,6 +18,7 @@ that group; otherwise it starts tp * pp local processes itself.
 import logging
 import sys
 import time
+from pathlib import Path
 
 from megatron_specdec.cli.common import ArgumentParser, run_cli
 
@@ -35,9 +36,10 @@ def build_parser():
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to save at (default 1)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline parallel size to save at (default 1)")
-    p.add_argument("--parallel-drafting", action="store_true",
+    p.add_argument("--parallel-drafting", nargs="+", default=None, metavar="DATA",
                    help="eagle3 only: import a chain draft as the start of a parallel-drafting "
-                        "(P-EAGLE) draft, its mask_hidden drawn fresh, to train on")
+                        "(P-EAGLE) draft to train on; its mask_hidden starts from the base's "
+                        "states over these conversations (jsonl; the first 32)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return p
 
@@ -53,9 +55,13 @@ def main(argv=None):
                          f"{', '.join(with_import)}")
     options = {}
     if args.parallel_drafting:
+        from megatron_specdec.checkpointing.checkpoint import TOKENIZER_DIR
+        from megatron_specdec.methods.eagle3.mask_init import conversation_ids
+
         if method.name != "eagle3":
             raise ValueError(f"--parallel-drafting: an eagle3 option; --method is {method.name}")
-        options["parallel_drafting"] = True
+        options["parallel_drafting"] = conversation_ids(args.parallel_drafting,
+                                                        Path(args.model) / TOKENIZER_DIR)
     start = time.time()
     method.import_hf(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
                      overwrite=args.overwrite, **options)

@@ -124,7 +124,10 @@ def served(default_hf_dir, prompts, project_greedy, base_tp2, live, module_tmp):
     root = module_tmp("engines")
     exports = export(speculative_tp2(live, default_hf_dir, base_tp2, root, 1), root, 1,
                      "float32")
-    import_eagle3(root / "live1", base_tp2, root / "peagle1_tp2", tp=2, parallel_drafting=True)
+    from megatron_specdec.methods.eagle3.mask_init import conversation_ids
+
+    import_eagle3(root / "live1", base_tp2, root / "peagle1_tp2", tp=2,
+                  parallel_drafting=conversation_ids([FIT_DATA], base_tp2 / "tokenizer"))
     export_draft.main(["--model", str(root / "peagle1_tp2"), "--out", str(root / "peagle1")])
     exports["peagle_1layer_float32"] = root / "peagle1"
     runs = {"greedy": None, **{n: vllm.eagle3_config(d, K) for n, d in exports.items()}}

@@ -164,12 +164,19 @@ def test_published_style_draft(draft_dir):
 
 
 def test_chain_draft_imports_as_the_start_of_a_parallel_drafting_one(ckpts, draft_dir, tmp_path):
-    """--parallel-drafting: the chain draft's weights unchanged, a mask_hidden drawn, the
-    mask token the base's last id; its export says parallel_drafting as vLLM reads it."""
+    """--parallel-drafting: the chain draft's weights unchanged, mask_hidden started from the
+    base's aux states, the mask token the base's last id; its export says parallel_drafting
+    as vLLM reads it; a pipeline-parallel import is refused by name (the base runs whole)."""
     from megatron_specdec.methods.eagle3.hf_export import export_eagle3
     from megatron_specdec.methods.eagle3.hf_import import import_eagle3, read_hf_draft
 
-    cfg = import_eagle3(draft_dir, ckpts / "base", tmp_path / "ckpt", parallel_drafting=True)
+    sequences = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                 for n in (12, 20)]
+    with pytest.raises(ValueError, match="import at --pp 1"):
+        import_eagle3(draft_dir, ckpts / "base", tmp_path / "pp2", pp=2,
+                      parallel_drafting=sequences)
+    assert not (tmp_path / "pp2").exists()
+    cfg = import_eagle3(draft_dir, ckpts / "base", tmp_path / "ckpt", parallel_drafting=sequences)
     assert cfg.parallel_drafting and cfg.mask_token_id == 499
     _, chain = read_hf_draft(draft_dir)
     config, tensors = read_hf_draft(export_eagle3(tmp_path / "ckpt", tmp_path / "hf"))
@@ -180,4 +187,4 @@ def test_chain_draft_imports_as_the_start_of_a_parallel_drafting_one(ckpts, draf
         assert torch.equal(tensors[name], t), name
     with pytest.raises(ValueError, match="already drafts in parallel"):
         import_eagle3(tmp_path / "hf", ckpts / "base", tmp_path / "again",
-                      parallel_drafting=True)
+                      parallel_drafting=sequences)

@@ -129,20 +129,18 @@ def draft_config(config: dict, tensors: dict, base):
     return registry.parse_config("eagle3", raw, base.num_hidden_layers, base.vocab_size)
 
 
-def start_parallel_drafting(config: dict, tensors: dict, base, seed: int = 1234):
+def start_parallel_drafting(config: dict, tensors: dict, base):
     """A chain EAGLE3 draft as the start of a parallel-drafting one: the same weights, the
-    base's last vocabulary id as mask token, mask_hidden drawn as the draft's init draws a
-    weight (the next training stage learns it)."""
+    base's last vocabulary id as mask token, mask_hidden zero until the import worker starts
+    it from the base's states (mask_init.start_mask_hidden)."""
     if config.get("parallel_drafting"):
         raise DraftMismatchError("the draft already drafts in parallel (config.json "
                                  "parallel_drafting: true)")
     num_aux = len(_aux_layer_ids(config) or [0, 0, 0])
-    std = float(getattr(base, "initializer_range", 0.02))
-    generator = torch.Generator().manual_seed(seed)
-    mask_hidden = torch.randn(1, num_aux * base.hidden_size, generator=generator) * std
     config = dict(config, parallel_drafting=True, mask_token_id=base.vocab_size - 1)
     dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
-    return config, dict(tensors, mask_hidden=mask_hidden.to(dtype))
+    return config, dict(tensors, mask_hidden=torch.zeros(1, num_aux * base.hidden_size,
+                                                         dtype=dtype))
 
 
 def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
@@ -192,7 +190,8 @@ def check_export(draft_dir, base_dir):
     return cfg
 
 
-def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwrite):
+def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwrite,
+                   mask_sequences=None):
     from megatron.core import parallel_state as ps
 
     from megatron_specdec import distributed
@@ -209,14 +208,19 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
         mapping.load_into_model(model.draft, eagle3.rules(cfg), global_draft, cfg.eagle_num_layers,
                                 0, ps.get_tensor_model_parallel_rank(),
                                 ps.get_tensor_model_parallel_world_size(), kept=eagle3.KEPT)
+    if mask_sequences is not None:
+        from megatron_specdec.methods.eagle3.mask_init import start_mask_hidden
+
+        start_mask_hidden(model, mask_sequences)
     save_speculative(model, out_ckpt, meta, Path(base_ckpt) / checkpoint.TOKENIZER_DIR, overwrite)
 
 
 def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
-                  parallel_drafting=False):
+                  parallel_drafting=None):
     """HF EAGLE3 draft + base (or speculative) checkpoint -> speculative checkpoint at TP x PP;
     `parallel_drafting`: a chain draft imported as the start of a parallel-drafting one
-    (`start_parallel_drafting`).
+    (`start_parallel_drafting`), its mask_hidden started from the base's states over these
+    token id lists (mask_init; the base runs whole: pp 1).
 
     Runs in the current process group when it has tp*pp ranks, else spawns tp*pp local
     processes. Returns the draft's Eagle3Config."""
@@ -228,7 +232,10 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
     base = checkpoint.hf_config_from_meta(meta)
     config, tensors = read_hf_draft(draft_dir)
     check_fits(config, base)
-    if parallel_drafting:
+    if parallel_drafting is not None:
+        if pp != 1:
+            raise ValueError(f"--parallel-drafting: import at --pp 1 (mask_hidden starts from "
+                             f"the whole base's states; got --pp {pp}), then train at any layout")
         config, tensors = start_parallel_drafting(config, tensors, base)
     cfg = draft_config(config, tensors, base)
     tensors = check_tensors(config, cfg, tensors, draft_dir)
@@ -241,7 +248,7 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
                                           eagle3.geometry(base, meta["padding"], cfg),
                                           cfg.eagle_num_layers)
     args = (str(base_ckpt), str(out_ckpt), registry.config_to_dict(cfg), global_draft, tp, pp,
-            overwrite)
+            overwrite, parallel_drafting)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == tp * pp and (dist.is_initialized() or tp * pp == 1):
         _import_worker(*args)
