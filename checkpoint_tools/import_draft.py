@@ -40,6 +40,9 @@ def build_parser():
                    help="eagle3 only: import a chain draft as the start of a parallel-drafting "
                         "(P-EAGLE) draft to train on; its mask_hidden starts from the base's "
                         "states over these conversations (jsonl; the first 32)")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="with --parallel-drafting: this many draft layers, those added after "
+                        "the chain draft's starting as the identity")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return p
 
@@ -62,6 +65,10 @@ def main(argv=None):
             raise ValueError(f"--parallel-drafting: an eagle3 option; --method is {method.name}")
         options["parallel_drafting"] = conversation_ids(args.parallel_drafting,
                                                         Path(args.model) / TOKENIZER_DIR)
+        if args.draft_layers is not None:
+            options["draft_layers"] = args.draft_layers
+    elif args.draft_layers is not None:
+        raise ValueError("--draft-layers: read only with --parallel-drafting")
     start = time.time()
     method.import_hf(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
                      overwrite=args.overwrite, **options)

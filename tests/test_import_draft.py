@@ -188,3 +188,34 @@ def test_chain_draft_imports_as_the_start_of_a_parallel_drafting_one(ckpts, draf
     with pytest.raises(ValueError, match="already drafts in parallel"):
         import_eagle3(tmp_path / "hf", ckpts / "base", tmp_path / "again",
                       parallel_drafting=sequences)
+
+
+def test_parallel_drafting_import_can_add_identity_layers(ckpts, draft_dir, tmp_path):
+    """--draft-layers 2: the chain draft's layer becomes layers.0 unchanged, and the added
+    layer's attention and MLP outputs start at zero (the draft drafts as the chain draft);
+    fewer layers than the draft has, or the flag without --parallel-drafting, are refused."""
+    from megatron_specdec.methods.eagle3.hf_export import export_eagle3
+    from megatron_specdec.methods.eagle3.hf_import import (
+        import_eagle3,
+        read_hf_draft,
+        start_parallel_drafting,
+    )
+
+    sequences = [list(range(3, 15))]
+    cfg = import_eagle3(draft_dir, ckpts / "base", tmp_path / "ckpt",
+                        parallel_drafting=sequences, draft_layers=2)
+    assert cfg.eagle_num_layers == 2 and cfg.parallel_drafting
+    _, chain = read_hf_draft(draft_dir)
+    config, tensors = read_hf_draft(export_eagle3(tmp_path / "ckpt", tmp_path / "hf"))
+    assert config["num_hidden_layers"] == 2
+    for name, t in chain.items():
+        moved = "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+        assert torch.equal(tensors[moved], t), name
+    assert not tensors["layers.1.self_attn.o_proj.weight"].any()
+    assert not tensors["layers.1.mlp.down_proj.weight"].any()
+    assert tensors["layers.1.self_attn.q_proj.weight"].std() > 0
+    with pytest.raises(ValueError, match="layers can be added, not removed"):
+        start_parallel_drafting(dict(config, parallel_drafting=False), tensors,
+                                tiny_hf_config(), layers=1)
+    with pytest.raises(ValueError, match="read only with --parallel-drafting"):
+        import_eagle3(draft_dir, ckpts / "base", tmp_path / "y", draft_layers=2)

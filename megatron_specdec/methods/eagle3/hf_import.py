@@ -129,18 +129,54 @@ def draft_config(config: dict, tensors: dict, base):
     return registry.parse_config("eagle3", raw, base.num_hidden_layers, base.vocab_size)
 
 
-def start_parallel_drafting(config: dict, tensors: dict, base):
+def start_parallel_drafting(config: dict, tensors: dict, base, layers=None, seed=1234):
     """A chain EAGLE3 draft as the start of a parallel-drafting one: the same weights, the
     base's last vocabulary id as mask token, mask_hidden zero until the import worker starts
-    it from the base's states (mask_init.start_mask_hidden)."""
+    it from the base's states (mask_init.start_mask_hidden). `layers` > the draft's: the
+    layers added after it start as the identity (attention and MLP outputs zero, the rest
+    drawn from `seed`), so the draft starts drafting as the chain draft did; the mask
+    positions, which see the context through attention alone, get layers whose queries
+    depend on what the first layer read."""
     if config.get("parallel_drafting"):
         raise DraftMismatchError("the draft already drafts in parallel (config.json "
                                  "parallel_drafting: true)")
     num_aux = len(_aux_layer_ids(config) or [0, 0, 0])
-    config = dict(config, parallel_drafting=True, mask_token_id=base.vocab_size - 1)
     dtype = next(v.dtype for v in tensors.values() if v.is_floating_point())
+    have = config.get("num_hidden_layers", 1)
+    if layers is not None and layers != have:
+        if layers < have:
+            raise DraftMismatchError(f"--draft-layers {layers}: the draft has {have} layers "
+                                     f"(layers can be added, not removed)")
+        tensors = _with_identity_layers(config, tensors, have, layers, base, dtype, seed)
+        config = dict(config, num_hidden_layers=layers)
+    config = dict(config, parallel_drafting=True, mask_token_id=base.vocab_size - 1)
     return config, dict(tensors, mask_hidden=torch.zeros(1, num_aux * base.hidden_size,
                                                          dtype=dtype))
+
+
+def _with_identity_layers(config, tensors, have, layers, base, dtype, seed):
+    """`tensors` renamed to the layers.{i} layout with layers have..layers-1 added as the
+    identity (o_proj and down_proj zero, norms one, other weights drawn at the base's
+    initializer_range)."""
+    if have == 1:
+        tensors = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+                   for k, v in tensors.items()}
+    shapes = eagle3.tensor_shapes(dict(config, num_hidden_layers=layers,
+                                       draft_vocab_size=tensors["lm_head.weight"].shape[0]))
+    generator = torch.Generator().manual_seed(seed)
+    std = float(getattr(base, "initializer_range", 0.02))
+    added = dict(tensors)
+    for name in sorted(shapes):
+        if name in tensors or not name.startswith("layers."):
+            continue
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            value = torch.zeros(shapes[name])
+        elif name.endswith("norm.weight"):
+            value = torch.ones(shapes[name])
+        else:
+            value = torch.randn(shapes[name], generator=generator) * std
+        added[name] = value.to(dtype)
+    return added
 
 
 def check_tensors(config: dict, cfg, tensors: dict, draft_dir) -> dict:
@@ -216,11 +252,12 @@ def _import_worker(base_ckpt, out_ckpt, cfg_entry, global_draft, tp, pp, overwri
 
 
 def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
-                  parallel_drafting=None):
+                  parallel_drafting=None, draft_layers=None):
     """HF EAGLE3 draft + base (or speculative) checkpoint -> speculative checkpoint at TP x PP;
     `parallel_drafting`: a chain draft imported as the start of a parallel-drafting one
     (`start_parallel_drafting`), its mask_hidden started from the base's states over these
-    token id lists (mask_init; the base runs whole: pp 1).
+    token id lists (mask_init; the base runs whole: pp 1), with `draft_layers` layers (those
+    added start as the identity).
 
     Runs in the current process group when it has tp*pp ranks, else spawns tp*pp local
     processes. Returns the draft's Eagle3Config."""
@@ -236,7 +273,9 @@ def import_eagle3(draft_dir, base_ckpt, out_ckpt, tp=1, pp=1, overwrite=False,
         if pp != 1:
             raise ValueError(f"--parallel-drafting: import at --pp 1 (mask_hidden starts from "
                              f"the whole base's states; got --pp {pp}), then train at any layout")
-        config, tensors = start_parallel_drafting(config, tensors, base)
+        config, tensors = start_parallel_drafting(config, tensors, base, draft_layers)
+    elif draft_layers is not None:
+        raise ValueError("--draft-layers: read only with --parallel-drafting")
     cfg = draft_config(config, tensors, base)
     tensors = check_tensors(config, cfg, tensors, draft_dir)
     families.transformer_config(base, tp=tp, pp=pp,
