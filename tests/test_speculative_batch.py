@@ -14,7 +14,7 @@ import torch
 from megatron_specdec import distributed
 from test_draft_model_generation import KEEP, save_draft
 from megatron_specdec.inference.oracle import OracleDrafter
-from test_speculative_generation import HF, build, expected_accepts
+from test_speculative_generation import CHAINS_ONLY, HF, build, expected_accepts
 from workers import is_writer
 
 K, NEW = 4, 12
@@ -24,7 +24,6 @@ _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, HF["vocab_size"], (n,), generator=_g).tolist() for n in (20, 3, 13, 7)]
 DRAFTERS = {"eagle3": ("eagle3", "ngram", "draft_model"), "peagle": ("eagle3",),
             "medusa": ("medusa",)}
-CHAINS_ONLY = {"peagle"}  # a parallel-drafting draft drafts no tree of its own
 TREE = (3, 8)  # TreeSpec(top_k, max_nodes) of the random-draft trees; oracle trees: top-2
 
 

@@ -18,6 +18,7 @@ EAGLE3 = {"draft_vocab_size": 300, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]
 ALGOS = {"eagle3": ("eagle3", EAGLE3),  # name: (draft algo, its config)
          "peagle": ("eagle3", dict(EAGLE3, parallel_drafting=True)),
          "medusa": ("medusa", {"medusa_num_heads": 4})}
+CHAINS_ONLY = {"peagle"}  # a parallel-drafting draft drafts no tree of its own
 K, NEW = 4, 40
 # The random drafts' top probabilities lie around this, so the adaptive runs draft 0..K.
 THRESHOLD = {"eagle3": 0.02, "peagle": 0.02, "medusa": 0.02}
@@ -61,6 +62,8 @@ def identity_worker(tp, pp, out_file, tree=None, oracle_tree=None):
     distributed.initialize(tp, pp)
     results = {}
     for algo in ALGOS:
+        if tree is not None and algo in CHAINS_ONLY:
+            continue
         model = build(algo)
         greedy = plain_generate(model.base, [PROMPT], NEW + K + 1, HF["vocab_size"])[0]
         plain = SpeculativeGenerator(model, K, tree=tree, policy="fixed").generate(PROMPT, NEW)
