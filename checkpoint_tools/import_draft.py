@@ -57,18 +57,18 @@ def main(argv=None):
         raise ValueError(f"--method {args.method}: has no HF import; expected one of: "
                          f"{', '.join(with_import)}")
     options = {}
-    if args.parallel_drafting:
+    if args.parallel_drafting or args.draft_layers is not None:
         from megatron_specdec.checkpointing.checkpoint import TOKENIZER_DIR
         from megatron_specdec.methods.eagle3.mask_init import conversation_ids
 
         if method.name != "eagle3":
-            raise ValueError(f"--parallel-drafting: an eagle3 option; --method is {method.name}")
-        options["parallel_drafting"] = conversation_ids(args.parallel_drafting,
-                                                        Path(args.model) / TOKENIZER_DIR)
-        if args.draft_layers is not None:
-            options["draft_layers"] = args.draft_layers
-    elif args.draft_layers is not None:
-        raise ValueError("--draft-layers: read only with --parallel-drafting")
+            raise ValueError(f"--parallel-drafting, --draft-layers: eagle3 options; --method "
+                             f"is {method.name}")
+        sequences = None
+        if args.parallel_drafting:
+            sequences = conversation_ids(args.parallel_drafting, Path(args.model) / TOKENIZER_DIR)
+        # import_eagle3 refuses --draft-layers without --parallel-drafting
+        options = {"parallel_drafting": sequences, "draft_layers": args.draft_layers}
     start = time.time()
     method.import_hf(args.draft, args.model, args.out, tp=args.tp, pp=args.pp,
                      overwrite=args.overwrite, **options)

@@ -78,8 +78,6 @@ def validate(cfg: Eagle3Config, num_layers: int, vocab_size: int):
     cfg.padded_draft_vocab_size = -(-cfg.draft_vocab_size // multiple) * multiple
 
 
-
-
 def check_num_draft_tokens(cfg: Eagle3Config, k: int) -> None:
     """A parallel-drafting draft proposes at most ttt_steps tokens: the steps it was trained
     on (a chain draft may run past them)."""

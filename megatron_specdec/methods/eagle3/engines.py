@@ -4,7 +4,6 @@ A parallel-drafting export runs in vLLM only (`parallel_drafting`, read from its
 by vllm_client.eagle3_config): SGLang and TensorRT-LLM draft EAGLE3 as a chain, which would
 feed its positions 2..k inputs it was not trained on."""
 
-import json
 from pathlib import Path
 
 from megatron_specdec.engines import vllm_client
@@ -14,7 +13,7 @@ from megatron_specdec.registry import EngineConfig
 def engine_config(draft_dir, num_draft_tokens: int) -> EngineConfig:
     path = str(Path(draft_dir).resolve())
     vllm = vllm_client.eagle3_config(draft_dir, num_draft_tokens)
-    if json.loads((Path(draft_dir) / "config.json").read_text()).get("parallel_drafting"):
+    if vllm.get("parallel_drafting"):
         return EngineConfig(vllm=vllm)
     return EngineConfig(
         vllm=vllm,

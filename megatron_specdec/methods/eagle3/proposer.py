@@ -57,6 +57,7 @@ class Eagle3Drafter:
         cfg = model.spec_config
         self.masks = cfg.ttt_steps - 1 if cfg.parallel_drafting else 0
         self.mask_token_id = cfg.mask_token_id
+        self._mask_hidden = None  # fc(mask_hidden) [1, 1, h], taken once a generation
 
     def _forward(self, hidden: Tensor, next_tokens: Tensor, positions=None, mask=None,
                  counts=None, last: int = 0):
@@ -95,7 +96,7 @@ class Eagle3Drafter:
         cache entries are dropped and their logits kept in `_last`."""
         n, b = self.masks, hidden.shape[1]
         tokens = torch.cat([next_tokens, next_tokens.new_full((b, n), self.mask_token_id)], 1)
-        hidden = torch.cat([hidden, self.module.mask_input(n, b)[1].to(hidden.dtype)])
+        hidden = torch.cat([hidden, self._mask_hidden.to(hidden.dtype).expand(n, b, -1)])
         hidden, logits = self._forward(hidden, tokens, counts=None if counts is None
                                        else counts + n, last=n + 1)
         self.cache.lengths.sub_(n)
@@ -135,6 +136,8 @@ class Eagle3Drafter:
         self.cache = DecodeCache(prompt.shape[0], max_length)
         self.kv = self._blocks()
         self._rope = self.rotary(max_length)
+        if self.masks:
+            self._mask_hidden = self.module.mask_input(1, 1)[1]
         self.extend(out.aux, torch.cat([prompt[:, 1:], pending], dim=1), lengths)
 
     def _chain(self, k: int, policy, pick):
