@@ -133,16 +133,22 @@ class _Recording:
         self.inner.accept(tokens, counts, out)
 
 
-def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
+def test_unconfident_draft_falls_back_to_plain_steps(eagle3, monkeypatch):
     """A random draft never reaches a 0.99 threshold: it is asked at rounds 0, 2, 5, 10, 19
     and 36 only (backoff 1, 2, 4, 8, 16), each time after reading the rounds it sat out in one
-    forward, every other round is a plain step, and the output is plain greedy's."""
+    forward, every other round is a plain step that runs no verify op, and the output is plain
+    greedy's."""
+    from megatron_specdec.inference import generator
     from megatron_specdec.inference.draft_policy import DraftPolicy
     from megatron_specdec.methods.eagle3.proposer import Eagle3Drafter
     from megatron_specdec.inference.embedding import last_stage_embedding
     from megatron_specdec.inference.generator import SpeculativeGenerator
     from megatron_specdec.inference.generation import plain_generate
 
+    verifies = []
+    verify = generator.greedy_chain_verify
+    monkeypatch.setattr(generator, "greedy_chain_verify",
+                        lambda *args: verifies.append(1) or verify(*args))
     drafter = _Recording(Eagle3Drafter(eagle3, last_stage_embedding(eagle3)))
     result = SpeculativeGenerator(eagle3, K, drafter=drafter,
                                   policy=DraftPolicy(K, 0.99)).generate(PROMPT, NEW)
@@ -154,6 +160,7 @@ def test_unconfident_draft_falls_back_to_plain_steps(eagle3):
         want += [("accept", probe - before), ("propose", 0)]
     assert drafter.log == want
     assert int(drafter.inner.real[0]) == len(PROMPT) + probes[-1]  # every state read once
+    assert len(verifies) == len(probes)  # the rounds sat out verify nothing
 
 
 def test_acceptance_metrics_hand_made():

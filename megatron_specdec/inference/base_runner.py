@@ -85,6 +85,11 @@ class BaseRunner:
         return self.stage.last
 
     @property
+    def single_stage(self) -> bool:
+        """Whether this stage holds the whole model (no pipeline peers to keep in step)."""
+        return self.stage.first and self.stage.last
+
+    @property
     def lengths(self) -> Tensor:
         return self.stage.lengths
 

@@ -1,0 +1,103 @@
+"""What a speculative round that drafts nothing costs over a plain greedy step. A drafter that
+never proposes makes nearly every round one the draft policy sits out (after the first, its
+backoff sits out up to 32 in a row); each prompt runs through `plain_generate` and that
+generator in alternating order, in one process, and the outputs must be identical. Such a
+round ran the general round's bookkeeping (the proposal and verdict tensors, the verify op on
+no drafts, the rewind) until the generator's `_idle_round` left it out; the ratio is what is
+left.
+
+    python bench/probes/idle_round.py --model runs/base_shipped_eagle3 [--rounds 5] \
+        [--num-prompts 4] [--max-new-tokens 96] [--out FILE.json]
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_linear import describe_machine, write_report  # noqa: E402
+
+
+class NeverDrafts:
+    """A drafter that proposes no token: every round is verify-of-none bookkeeping."""
+
+    def start(self, *args):
+        pass
+
+    def accept(self, *args):
+        pass
+
+    def keep_rows(self, rows):
+        pass
+
+    def propose(self, k, policy):
+        none = torch.zeros(1, 0, dtype=torch.long)
+        return none, none.new_zeros(1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a speculative checkpoint (its base is used)")
+    p.add_argument("--data", default="data/sources/mt_bench.jsonl")
+    p.add_argument("--num-prompts", type=int, default=4, help="every 10th question, this many")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", help="write the figures here as JSON")
+    args = p.parse_args()
+    for flag in ("num_prompts", "max_new_tokens", "rounds"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
+
+    from megatron_specdec import distributed
+    from megatron_specdec.cli.common import setup_logging
+    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
+    from megatron_specdec.evaluation.acceptance import read_prompts
+    from megatron_specdec.inference.generation import plain_generate
+    from megatron_specdec.inference.generator import SpeculativeGenerator
+    from megatron_specdec.loading.source import load_model
+
+    setup_logging()
+    distributed.initialize(1, 1)
+    loaded = load_model(args.model, need_draft=True)
+    model, tokenizer = loaded.model.eval(), load_tokenizer(str(loaded.tokenizer_dir))
+    prompts = [ids for _, ids in read_prompts(args.data, tokenizer)[::10][: args.num_prompts]]
+    eos = end_of_turn_ids(tokenizer)
+    generator = SpeculativeGenerator(model, drafter=NeverDrafts())
+    machine = describe_machine()
+    modes = {
+        "plain": lambda ids, n: plain_generate(model.base, [ids], n, model.vocab_size, eos)[0],
+        "idle_rounds": lambda ids, n: generator.generate(ids, n, eos).tokens,
+    }
+    for run in modes.values():  # untimed: first-use work
+        run(prompts[0][:16], 8)
+    per_round = []
+    for r in range(args.rounds):
+        totals = {name: [0, 0.0] for name in modes}
+        for i, ids in enumerate(prompts):
+            order = list(modes) if (i + r) % 2 == 0 else list(modes)[::-1]
+            got = {}
+            for name in order:
+                start = time.perf_counter()
+                got[name] = modes[name](ids, args.max_new_tokens)
+                totals[name][0] += len(got[name])
+                totals[name][1] += time.perf_counter() - start
+            if got["plain"] != got["idle_rounds"]:
+                raise SystemExit(f"prompt {i}: the idle rounds' output differs from greedy")
+        speed = {name: n / s for name, (n, s) in totals.items()}
+        per_round.append({**speed, "ratio": speed["idle_rounds"] / speed["plain"]})
+        print(f"round {r}: plain {speed['plain']:.2f} tokens/s, idle rounds "
+              f"{speed['idle_rounds']:.2f} ({per_round[-1]['ratio']:.3f}x)", flush=True)
+    median = statistics.median(x["ratio"] for x in per_round)
+    print(f"median idle round / plain step speed: {median:.3f}")
+    if args.out:
+        write_report(Path(args.out), {
+            "what": "plain greedy against speculative rounds that draft nothing",
+            "machine": machine, "model": args.model, "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "rounds": per_round, "median_ratio": median})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
