@@ -24,6 +24,28 @@ RESULTS = Path(__file__).resolve().parent / "results" / "greedy_chain.json"
 PATHS = ("general", "chain")
 
 
+def load_alternation(args):
+    """What an in-process alternation bench runs on, its counts checked first: the speculative
+    checkpoint `args.model` (eval mode, one process), every 10th MT-bench question's first turn
+    (`args.num_prompts` of them, as token ids) and the end-of-turn ids."""
+    for flag in ("num_prompts", "max_new_tokens", "rounds"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
+
+    from megatron_specdec import distributed
+    from megatron_specdec.cli.common import setup_logging
+    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
+    from megatron_specdec.evaluation.acceptance import read_prompts
+    from megatron_specdec.loading.source import load_model
+
+    setup_logging()
+    distributed.initialize(1, 1)
+    loaded = load_model(args.model, need_draft=True)
+    model, tokenizer = loaded.model.eval(), load_tokenizer(str(loaded.tokenizer_dir))
+    prompts = [ids for _, ids in read_prompts(args.data, tokenizer)[::10][: args.num_prompts]]
+    return model, prompts, end_of_turn_ids(tokenizer)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a speculative checkpoint (EAGLE3)")
@@ -33,24 +55,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
-    for flag in ("num_prompts", "max_new_tokens", "rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
+    model, prompts, eos = load_alternation(args)
 
-    from megatron_specdec import distributed
-    from megatron_specdec.cli.common import setup_logging
-    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
-    from megatron_specdec.evaluation.acceptance import read_prompts
     from megatron_specdec.inference.generation import GREEDY_CHAIN_ENV, plain_generate
     from megatron_specdec.inference.generator import SpeculativeGenerator
-    from megatron_specdec.loading.source import load_model
 
-    setup_logging()
-    distributed.initialize(1, 1)
-    loaded = load_model(args.model, need_draft=True)
-    model, tokenizer = loaded.model.eval(), load_tokenizer(str(loaded.tokenizer_dir))
-    prompts = [ids for _, ids in read_prompts(args.data, tokenizer)[::10][: args.num_prompts]]
-    eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model)
     machine = describe_machine()
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_greedy_chain import load_alternation  # noqa: E402
 from bench_linear import describe_machine, write_report  # noqa: E402
 
 
 class NeverDrafts:
-    """A drafter that proposes no token: every round is verify-of-none bookkeeping."""
+    """A drafter that proposes no token: the policy then sits out nearly every round."""
 
     def start(self, *args):
         pass
@@ -47,24 +48,11 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", help="write the figures here as JSON")
     args = p.parse_args()
-    for flag in ("num_prompts", "max_new_tokens", "rounds"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected >= 1")
+    model, prompts, eos = load_alternation(args)
 
-    from megatron_specdec import distributed
-    from megatron_specdec.cli.common import setup_logging
-    from megatron_specdec.data import end_of_turn_ids, load_tokenizer
-    from megatron_specdec.evaluation.acceptance import read_prompts
     from megatron_specdec.inference.generation import plain_generate
     from megatron_specdec.inference.generator import SpeculativeGenerator
-    from megatron_specdec.loading.source import load_model
 
-    setup_logging()
-    distributed.initialize(1, 1)
-    loaded = load_model(args.model, need_draft=True)
-    model, tokenizer = loaded.model.eval(), load_tokenizer(str(loaded.tokenizer_dir))
-    prompts = [ids for _, ids in read_prompts(args.data, tokenizer)[::10][: args.num_prompts]]
-    eos = end_of_turn_ids(tokenizer)
     generator = SpeculativeGenerator(model, drafter=NeverDrafts())
     machine = describe_machine()
     modes = {
