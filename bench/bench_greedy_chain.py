@@ -24,6 +24,19 @@ RESULTS = Path(__file__).resolve().parent / "results" / "greedy_chain.json"
 PATHS = ("general", "chain")
 
 
+def alternation_parser(doc: str, num_prompts: int, max_new_tokens: int, rounds: int,
+                       model_help: str):
+    """The flags of an in-process alternation bench, with these defaults (each adds --out)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--data", default="data/sources/mt_bench.jsonl")
+    p.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help="every 10th question, this many")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
 def load_alternation(args):
     """What an in-process alternation bench runs on, its counts checked first: the speculative
     checkpoint `args.model` (eval mode, one process), every 10th MT-bench question's first turn
@@ -47,12 +60,7 @@ def load_alternation(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a speculative checkpoint (EAGLE3)")
-    p.add_argument("--data", default="data/sources/mt_bench.jsonl")
-    p.add_argument("--num-prompts", type=int, default=8, help="every 10th question, this many")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p = alternation_parser(__doc__, 8, 128, 3, "a speculative checkpoint (EAGLE3)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     model, prompts, eos = load_alternation(args)

@@ -9,7 +9,6 @@ left.
     python bench/probes/idle_round.py --model runs/base_shipped_eagle3 [--rounds 5] \
         [--num-prompts 4] [--max-new-tokens 96] [--out FILE.json]
 """
-import argparse
 import statistics
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_greedy_chain import load_alternation  # noqa: E402
+from bench_greedy_chain import alternation_parser, load_alternation  # noqa: E402
 from bench_linear import describe_machine, write_report  # noqa: E402
 
 
@@ -40,12 +39,7 @@ class NeverDrafts:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a speculative checkpoint (its base is used)")
-    p.add_argument("--data", default="data/sources/mt_bench.jsonl")
-    p.add_argument("--num-prompts", type=int, default=4, help="every 10th question, this many")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=5)
+    p = alternation_parser(__doc__, 4, 96, 5, "a speculative checkpoint (its base is used)")
     p.add_argument("--out", help="write the figures here as JSON")
     args = p.parse_args()
     model, prompts, eos = load_alternation(args)
