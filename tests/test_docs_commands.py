@@ -125,6 +125,17 @@ def test_command_flags_exist(doc, args):
     assert not unknown, f"{doc}: {' '.join(args[:2])}: no flag {unknown} (has {sorted(known)})"
 
 
+def _declared_flags(script: Path) -> set:
+    """The flags a bench script's source declares, with those of the bench modules it imports
+    from (a parser shared by several benches)."""
+    flag = r"add_argument\(\s*\"(--[\w-]+)\""
+    text = script.read_text()
+    declared = set(re.findall(flag, text))
+    for module in re.findall(r"^from (bench_\w+) import", text, re.M):
+        declared |= set(re.findall(flag, (REPO / "bench" / f"{module}.py").read_text()))
+    return declared
+
+
 def test_bench_flags_exist():
     """Bench scripts build their parsers inside main() and import heavy modules first: read
     the flags they declare from their source."""
@@ -135,7 +146,7 @@ def test_bench_flags_exist():
     assert wanted
     for script, flags in wanted.items():
         assert (REPO / script).is_file(), f"{script} does not exist"
-        declared = set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", (REPO / script).read_text()))
+        declared = _declared_flags(REPO / script)
         assert flags <= declared, f"{script} declares no {sorted(flags - declared)}"
 
 
