@@ -205,6 +205,8 @@ def plot(result: dict, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_specdec.evaluation.plots import save_figure
+
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for algo, rows in result["curves"].items():
         tokens = [r["step"] * result["tokens_per_step"] / 1e6 for r in rows]
@@ -222,7 +224,7 @@ def plot(result: dict, path: Path):
         a.legend(fontsize=7)
     fig.suptitle(f"from scratch, same data; {result['cpu']} @ {result['commit']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def main():

@@ -61,6 +61,7 @@ import torch
 from bench_linear import ReadProbe, describe_machine
 
 from megatron_specdec import distributed
+from megatron_specdec.evaluation.plots import save_figure
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
 # Plain greedy with every decoding linear as `W @ x.T`: the fixed choice before measurement.
@@ -422,7 +423,9 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(result, indent=2))
-    plot(report, out.with_suffix(".png"), result["model"])
+    plot(report, out.with_suffix(".png"),
+         f"{result['model']}; {about['cpu']}, {about['threads']} threads, commit {about['commit']}; "
+         f"{len(prompts)} prompts")
     print(f"\n{result['model']}; {len(prompts)} MT-bench prompts, up to {args.max_new_tokens} new tokens, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{about['cpu']} ({' '.join(about['flags'])}), {about['threads']} threads, commit "
@@ -669,8 +672,7 @@ def plot(report, path, title):
     ax.set_title(title, fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,8 @@ def plot(doc: dict, png: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_specdec.evaluation.plots import save_figure
+
     rows = doc["steps"]
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
@@ -171,9 +173,7 @@ def plot(doc: dict, png: Path):
     axes[2].set_xlabel("step")
     fig.suptitle(f"{doc['name']} ({doc['cpu']}, {doc['commit']})", fontsize=9)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.stem}.tmp.png")
-    fig.savefig(tmp, dpi=80)
-    tmp.replace(png)
+    save_figure(fig, png, dpi=80)
 
 
 # SmolLM2-135M's decoder linears (in, out): fused QKV (9 + 2x3 heads of 64), attention

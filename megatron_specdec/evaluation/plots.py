@@ -31,11 +31,22 @@ def plot_acceptance(report, path):
                  f"({shape}, {report['num_prompts']} prompts)")
     ax.legend(fontsize=8, title="category (acceptance length)")
     fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig, path, dpi: int):
+    """Write `fig` beside `path` and rename it into place once whole, then close it: a reader
+    never sees half a picture, and an interrupted run leaves the old one."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")  # renamed into place once whole
-    fig.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
-    plt.close(fig)
-    os.replace(partial, path)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        fig.savefig(partial, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
 
 
 def _nan(values):
